@@ -1,0 +1,9 @@
+//! fastbroker-core: the compiled data plane of fastbroker.
+//!
+//! - `codec`: sans-I/O MQTT 3.1.1 / 5.0 packet codec.
+//! - `topics`: topic validation, the subscription index and the retained-message tree.
+//! - `broker`: the sans-I/O broker engine (sessions, routing, QoS flows).
+//! - `py`: the PyO3 module `fastbroker_core` (feature `python`).
+
+pub mod codec;
+pub mod topics;
