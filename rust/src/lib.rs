@@ -7,3 +7,8 @@
 
 pub mod codec;
 pub mod topics;
+pub mod broker;
+#[cfg(feature = "python")]
+mod py;
+#[cfg(feature = "python")]
+mod py_codec;

@@ -1,0 +1,121 @@
+//! Engine settings: the `[mqtt]` table of the TOML config, checked once at start.
+
+/// Limits and features of the broker engine. Defaults suit a production broker on one node.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Largest packet accepted from a client, fixed header included (0x95 above it).
+    pub max_packet_size: u32,
+    /// Largest keepalive a client may use, in seconds. MQTT 5 clients asking for more (or for
+    /// none) are told this value as Server Keep Alive; 3.1.1 clients asking for more are
+    /// refused (CONNACK 2), as 3.1.1 has no way to tell them. 65535 = no limit.
+    pub max_keepalive: u16,
+    /// How many QoS 1/2 PUBLISH a client may have unacknowledged towards the broker.
+    pub receive_maximum: u16,
+    /// Cap on unacknowledged QoS 1/2 PUBLISH the broker sends one client (also bounded by the
+    /// client's own Receive Maximum).
+    pub max_inflight: u16,
+    /// Per-session queue bound (messages) for an offline or slow client; QoS 0 is dropped
+    /// first.
+    pub max_queued_messages: usize,
+    /// Per-session queue bound (payload bytes); 0 = no byte bound.
+    pub max_queued_bytes: usize,
+    /// Topic aliases a client may use towards the broker.
+    pub topic_alias_maximum: u16,
+    /// Whether the broker assigns topic aliases on the way out when the client allows them.
+    pub outgoing_topic_aliases: bool,
+    pub maximum_qos: u8,
+    pub retain_available: bool,
+    /// Cap on a session's expiry interval, in seconds (u32::MAX = never expires).
+    pub max_session_expiry: u32,
+    /// A connection that has not sent CONNECT after this many ms is closed.
+    pub connect_timeout_ms: u64,
+    /// Filters clients may not subscribe to (SUBACK 0x80 in 3.1.1, 0x87 in 5.0).
+    pub denied_subscriptions: Vec<String>,
+    pub max_client_id_len: usize,
+    /// Broker version string, for `$SYS` and logs.
+    pub version: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            max_packet_size: 16 * 1024 * 1024,
+            max_keepalive: 65535,
+            receive_maximum: 1024,
+            max_inflight: 1024,
+            max_queued_messages: 1000,
+            max_queued_bytes: 0,
+            topic_alias_maximum: 10,
+            outgoing_topic_aliases: true,
+            maximum_qos: 2,
+            retain_available: true,
+            max_session_expiry: u32::MAX,
+            connect_timeout_ms: 10_000,
+            denied_subscriptions: Vec::new(),
+            max_client_id_len: 65535,
+            version: String::new(),
+        }
+    }
+}
+
+/// A typed config value, so the binding layer can hand over settings without knowing them.
+pub enum Value {
+    Int(i64),
+    Bool(bool),
+    Str(String),
+    List(Vec<String>),
+}
+
+impl Config {
+    /// Sets one key; the error names the key and what it must be.
+    pub fn set(&mut self, key: &str, value: Value) -> Result<(), String> {
+        fn int(key: &str, v: &Value, min: i64, max: i64) -> Result<i64, String> {
+            match v {
+                Value::Int(i) if *i >= min && *i <= max => Ok(*i),
+                _ => Err(format!("{key} must be an integer from {min} to {max}")),
+            }
+        }
+        fn boolean(key: &str, v: &Value) -> Result<bool, String> {
+            match v {
+                Value::Bool(b) => Ok(*b),
+                _ => Err(format!("{key} must be true or false")),
+            }
+        }
+        match key {
+            "max_packet_size" => self.max_packet_size = int(key, &value, 16, 268_435_460)? as u32,
+            "max_keepalive" => self.max_keepalive = int(key, &value, 1, 65535)? as u16,
+            "receive_maximum" => self.receive_maximum = int(key, &value, 1, 65535)? as u16,
+            "max_inflight" => self.max_inflight = int(key, &value, 1, 65535)? as u16,
+            "max_queued_messages" => {
+                self.max_queued_messages = int(key, &value, 0, i64::MAX)? as usize
+            }
+            "max_queued_bytes" => self.max_queued_bytes = int(key, &value, 0, i64::MAX)? as usize,
+            "topic_alias_maximum" => self.topic_alias_maximum = int(key, &value, 0, 65535)? as u16,
+            "outgoing_topic_aliases" => self.outgoing_topic_aliases = boolean(key, &value)?,
+            "maximum_qos" => self.maximum_qos = int(key, &value, 0, 2)? as u8,
+            "retain_available" => self.retain_available = boolean(key, &value)?,
+            "max_session_expiry" => {
+                self.max_session_expiry = int(key, &value, 0, u32::MAX as i64)? as u32
+            }
+            "connect_timeout_ms" => {
+                self.connect_timeout_ms = int(key, &value, 1, 86_400_000)? as u64
+            }
+            "max_client_id_len" => self.max_client_id_len = int(key, &value, 1, 65535)? as usize,
+            "denied_subscriptions" => match value {
+                Value::List(filters) => {
+                    if let Some(bad) = filters.iter().find(|f| !crate::topics::valid_filter(f)) {
+                        return Err(format!("{key}: {bad:?} is not a valid topic filter"));
+                    }
+                    self.denied_subscriptions = filters;
+                }
+                _ => return Err(format!("{key} must be a list of topic filters")),
+            },
+            "version" => match value {
+                Value::Str(s) => self.version = s,
+                _ => return Err(format!("{key} must be a string")),
+            },
+            _ => return Err(format!("unknown setting {key:?}")),
+        }
+        Ok(())
+    }
+}

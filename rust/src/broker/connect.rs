@@ -1,0 +1,242 @@
+//! CONNECT: checks, session start or resume, takeover, CONNACK, and resending what the
+//! resumed session had in flight.
+
+use std::sync::Arc;
+
+use super::state::{ConnState, InflightState, Session, SessionId};
+use super::{ConnId, Engine};
+use crate::codec::{ConnAck, Connect, DecodeError, Packet, Properties, Protocol};
+use crate::topics;
+
+impl Engine {
+    /// A CONNECT that did not decode: the CONNACK code the spec names where there is one.
+    pub(super) fn connect_decode_failed(&mut self, id: ConnId, err: DecodeError) {
+        let Some(conn) = self.conn_mut(id) else { return };
+        // The protocol level is unknown or broken: answer in the version a client of that
+        // kind understands. For an unsupported level that is 3.1.1's return code 1 for
+        // old clients and 0x84 for 5.0 ones; we cannot know which, and the spec lets the
+        // server answer 3.1.1 style (MQTT-3.1.2-2), so use 3.1.1 framing.
+        if err == DecodeError::UnsupportedProtocol {
+            conn.protocol = Protocol::V311;
+            self.send(
+                id,
+                &Packet::ConnAck(ConnAck {
+                    session_present: false,
+                    reason_code: 0x84,
+                    properties: Properties::default(),
+                }),
+            );
+        }
+        let conn = self.conn_mut(id).expect("exists");
+        conn.state = ConnState::Closing;
+        conn.close_after_write = true;
+        conn.rx.clear();
+        self.mark_dirty(id);
+        self.event("protocol_error", Arc::from(""), format!("bad CONNECT: {err:?}"));
+    }
+
+    /// Refuses a CONNECT with `code` (MQTT 5 reason; mapped for 3.1.1) and closes.
+    fn refuse(&mut self, id: ConnId, code: u8, why: &str) {
+        let Some(conn) = self.conn(id) else { return };
+        let mut properties = Properties::default();
+        if conn.protocol == Protocol::V5 && conn.problem_info {
+            properties.reason_string = Some(why.to_string());
+        }
+        self.send(
+            id,
+            &Packet::ConnAck(ConnAck {
+                session_present: false,
+                reason_code: code,
+                properties,
+            }),
+        );
+        let conn = self.conn_mut(id).expect("exists");
+        conn.state = ConnState::Closing;
+        conn.close_after_write = true;
+        conn.rx.clear();
+        self.mark_dirty(id);
+        self.event("connect_refused", Arc::from(""), format!("0x{code:02x} {why}"));
+    }
+
+    pub(super) fn handle_connect(&mut self, id: ConnId, c: Connect, now: u64) {
+        let v5 = c.protocol == Protocol::V5;
+        let props = &c.properties;
+        {
+            let conn = self.conn_mut(id).expect("caller checked");
+            conn.protocol = c.protocol;
+            conn.problem_info = props.request_problem_information != Some(0);
+        }
+        if props.authentication_method.is_some() {
+            return self.refuse(id, 0x8C, "no enhanced authentication method is supported");
+        }
+        let cfg = &self.cfg;
+        if c.client_id.len() > cfg.max_client_id_len {
+            return self.refuse(id, 0x85, "client identifier too long");
+        }
+        if c.client_id.is_empty() && !c.clean_start && !v5 {
+            // MQTT-3.1.3-8: a 3.1.1 client needs an id to keep a session.
+            return self.refuse(id, 0x85, "empty client identifier needs clean session");
+        }
+        if let Some(will) = &c.will {
+            if !topics::valid_topic_name(will.topic.as_bytes()) {
+                return self.refuse(id, 0x90, "invalid will topic");
+            }
+            if will.qos as u8 > self.cfg.maximum_qos {
+                return self.refuse(id, 0x9B, "will QoS not supported");
+            }
+            if will.retain && !self.cfg.retain_available {
+                return self.refuse(id, 0x9A, "retain not supported");
+            }
+        }
+        let cfg = &self.cfg;
+        // Keepalive: MQTT 5 clients are told the server's value; 3.1.1 clients cannot be,
+        // so one asking for more than the maximum is refused (as Mosquitto does).
+        let mut keep_alive = c.keep_alive;
+        let mut server_keep_alive = None;
+        if cfg.max_keepalive < 65535 && (keep_alive == 0 || keep_alive > cfg.max_keepalive) {
+            if v5 {
+                keep_alive = cfg.max_keepalive;
+                server_keep_alive = Some(keep_alive);
+            } else if keep_alive > cfg.max_keepalive {
+                return self.refuse(id, 0x85, "keepalive above the server maximum");
+            }
+        }
+        // Session expiry: 3.1.1 clean session 0 means "never expires".
+        let asked_expiry = if v5 {
+            props.session_expiry_interval.unwrap_or(0)
+        } else if c.clean_start {
+            0
+        } else {
+            u32::MAX
+        };
+        let expiry = asked_expiry.min(cfg.max_session_expiry);
+
+        let mut assigned = None;
+        let client_id: Arc<str> = if c.client_id.is_empty() {
+            self.assigned_ids += 1;
+            let name = format!("fb-{:x}-{:x}", now, self.assigned_ids);
+            assigned = Some(name.clone());
+            Arc::from(name)
+        } else {
+            Arc::from(c.client_id.as_str())
+        };
+
+        // Takeover: the same client id is connected elsewhere.
+        let existing = self.by_client.get(&client_id).copied();
+        if let Some(sid) = existing {
+            if let Some(old) = self.session(sid).and_then(|s| s.conn) {
+                // The old connection's will goes as for any abnormal end (MQTT-3.1.4-3).
+                self.close(old, Some(0x8E), "session taken over", true, now);
+                self.event("takeover", client_id.clone(), format!("conn {old} replaced by {id}"));
+            }
+        }
+        let existing = self.by_client.get(&client_id).copied();
+        let (sid, session_present) = match existing {
+            Some(sid) if !c.clean_start => (sid, true),
+            Some(sid) => {
+                self.end_session(sid, now);
+                (self.new_session(client_id.clone()), false)
+            }
+            None => (self.new_session(client_id.clone()), false),
+        };
+        {
+            let session = self.session_mut(sid).expect("just made");
+            session.conn = Some(id);
+            session.expiry = expiry;
+            session.disconnected_at = None;
+            // A resumed session cancels a delayed will (MQTT-3.1.3-9).
+            session.pending_will = None;
+        }
+        let cfg = &self.cfg;
+        let mut ack_props = Properties::default();
+        if v5 {
+            if cfg.receive_maximum < 65535 {
+                ack_props.receive_maximum = Some(cfg.receive_maximum);
+            }
+            if cfg.maximum_qos < 2 {
+                ack_props.maximum_qos = Some(cfg.maximum_qos);
+            }
+            if !cfg.retain_available {
+                ack_props.retain_available = Some(0);
+            }
+            if cfg.max_packet_size < 268_435_460 {
+                ack_props.maximum_packet_size = Some(cfg.max_packet_size);
+            }
+            if cfg.topic_alias_maximum > 0 {
+                ack_props.topic_alias_maximum = Some(cfg.topic_alias_maximum);
+            }
+            if expiry != asked_expiry {
+                ack_props.session_expiry_interval = Some(expiry);
+            }
+            ack_props.server_keep_alive = server_keep_alive;
+            ack_props.assigned_client_identifier = assigned;
+        }
+        {
+            let conn = self.conn_mut(id).expect("exists");
+            conn.state = ConnState::Active;
+            conn.session = Some(sid);
+            conn.client_id = client_id.clone();
+            conn.keep_alive_ms = u64::from(keep_alive) * 1000;
+            conn.will = c.will;
+            conn.client_max_packet = props.maximum_packet_size.map_or(usize::MAX, |m| m as usize);
+            conn.client_receive_max = props.receive_maximum.unwrap_or(65535);
+            conn.client_topic_alias_max = props.topic_alias_maximum.unwrap_or(0);
+        }
+        self.send(
+            id,
+            &Packet::ConnAck(ConnAck {
+                session_present,
+                reason_code: 0,
+                properties: ack_props,
+            }),
+        );
+        self.event(
+            "connect",
+            client_id,
+            format!(
+                "conn {id} protocol {} clean {} keepalive {keep_alive} expiry {expiry}",
+                c.protocol.level(),
+                c.clean_start
+            ),
+        );
+        if session_present {
+            self.resend_inflight(sid, id, now);
+        }
+        self.pump(sid, now);
+    }
+
+    fn new_session(&mut self, client_id: Arc<str>) -> SessionId {
+        let session = Session::new(client_id.clone());
+        let sid = match self.free_sessions.pop() {
+            Some(sid) => {
+                self.sessions[sid as usize] = Some(session);
+                sid
+            }
+            None => {
+                self.sessions.push(Some(session));
+                (self.sessions.len() - 1) as SessionId
+            }
+        };
+        self.by_client.insert(client_id, sid);
+        sid
+    }
+
+    /// After a resume: every unacknowledged PUBLISH again with DUP, every PUBREL again
+    /// (MQTT-4.4.0-1), in the original order.
+    fn resend_inflight(&mut self, sid: SessionId, id: ConnId, now: u64) {
+        let Some(session) = self.session_mut(sid) else { return };
+        let inflight = std::mem::take(&mut session.inflight);
+        for f in inflight.iter() {
+            match f.state {
+                InflightState::AwaitPubComp => {
+                    self.send(id, &Packet::PubRel(Engine::ack(f.pkid, 0)));
+                }
+                _ => {
+                    self.send_publish(id, &f.delivery, f.pkid, true, now);
+                }
+            }
+        }
+        // Onward delivery had started, so expiry no longer applies to these (MQTT 5 3.3.2.3.3).
+        self.session_mut(sid).expect("exists").inflight = inflight;
+    }
+}

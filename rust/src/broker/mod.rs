@@ -1,0 +1,451 @@
+//! The sans-I/O broker engine: every MQTT rule a broker follows, with no sockets and no clock
+//! of its own. The caller reports connections, bytes and time; the engine answers with bytes
+//! to write and connections to close (`drain`).
+//!
+//! One `feed` handles all packets in the bytes given; publishes are parsed, matched, and
+//! encoded for every subscriber without returning to the caller, so the caller's cost is per
+//! read, not per message.
+
+mod config;
+mod connect;
+mod router;
+mod state;
+mod subscribe;
+#[cfg(test)]
+mod tests;
+mod timers;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+pub use config::{Config, Value};
+pub use state::{ConnId, SessionId};
+
+use crate::codec::{self, Ack, Disconnect, Packet, Properties, Protocol};
+use crate::topics::{RetainedTree, SubscriptionIndex};
+use state::{Conn, ConnState, Message, Session};
+
+/// Counters for `$SYS` and metrics.
+#[derive(Clone, Debug, Default)]
+pub struct Stats {
+    pub messages_received: u64,
+    pub messages_sent: u64,
+    pub bytes_received: u64,
+    pub bytes_sent: u64,
+    pub publish_dropped: u64,
+    pub clients_connected: u64,
+}
+
+/// A log event for the caller: (kind, client id, detail).
+pub type Event = (&'static str, Arc<str>, String);
+
+pub struct Engine {
+    cfg: Config,
+    conns: Vec<Option<Conn>>,
+    free_conns: Vec<ConnId>,
+    sessions: Vec<Option<Session>>,
+    free_sessions: Vec<SessionId>,
+    by_client: HashMap<Arc<str>, SessionId>,
+    subs: SubscriptionIndex<SessionId>,
+    retained: RetainedTree<Arc<Message>>,
+    /// Connections with output or a close request since the last `drain`.
+    dirty: Vec<ConnId>,
+    events: Vec<Event>,
+    stats: Stats,
+    assigned_ids: u64,
+    last_purge: u64,
+    scratch: router::RouteScratch,
+}
+
+impl Engine {
+    pub fn new(cfg: Config) -> Engine {
+        Engine {
+            cfg,
+            conns: Vec::new(),
+            free_conns: Vec::new(),
+            sessions: Vec::new(),
+            free_sessions: Vec::new(),
+            by_client: HashMap::new(),
+            subs: SubscriptionIndex::new(),
+            retained: RetainedTree::new(),
+            dirty: Vec::new(),
+            events: Vec::new(),
+            stats: Stats::default(),
+            assigned_ids: 0,
+            last_purge: 0,
+            scratch: router::RouteScratch::default(),
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// A new network connection.
+    pub fn open(&mut self, now: u64) -> ConnId {
+        let conn = Conn::new(now);
+        match self.free_conns.pop() {
+            Some(id) => {
+                self.conns[id as usize] = Some(conn);
+                id
+            }
+            None => {
+                self.conns.push(Some(conn));
+                (self.conns.len() - 1) as ConnId
+            }
+        }
+    }
+
+    /// Bytes read from `id`: decodes and handles every whole packet in them.
+    pub fn feed(&mut self, id: ConnId, data: &[u8], now: u64) {
+        let Some(conn) = self.conn_mut(id) else { return };
+        if conn.state == ConnState::Closing {
+            return;
+        }
+        conn.last_rx = now;
+        conn.rx.extend_from_slice(data);
+        self.stats.bytes_received += data.len() as u64;
+        let max_packet_size = self.cfg.max_packet_size as usize;
+        loop {
+            let Some(conn) = self.conn_mut(id) else { return };
+            if conn.state == ConnState::Closing {
+                return;
+            }
+            let protocol = conn.protocol;
+            let result = codec::decode(&mut conn.rx, protocol, max_packet_size);
+            match result {
+                Ok(Some(packet)) => self.handle(id, packet, now),
+                Ok(None) => return,
+                Err(err) => {
+                    self.decode_failed(id, err, now);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// The connection is gone: closed by the peer, or by the caller after `drain` asked.
+    pub fn closed(&mut self, id: ConnId, now: u64) {
+        let Some(conn) = self.conn_mut(id) else { return };
+        if conn.state != ConnState::Closing {
+            // Not a close the engine asked for: an abnormal disconnect (will is published).
+            self.disconnect_session(id, true, now);
+        }
+        // Keep the slot out of `dirty` handling: drain skips empty slots.
+        self.conns[id as usize] = None;
+        self.free_conns.push(id);
+    }
+
+    /// The transport's write buffer went above (false) or back below (true) its high mark.
+    pub fn set_writable(&mut self, id: ConnId, writable: bool, now: u64) {
+        let Some(conn) = self.conn_mut(id) else { return };
+        conn.writable = writable;
+        if writable {
+            if let Some(sid) = conn.session {
+                self.pump(sid, now);
+            }
+        }
+    }
+
+    /// A message from the broker itself (e.g. `$SYS`).
+    pub fn publish(&mut self, topic: &str, payload: &[u8], qos: codec::QoS, retain: bool, now: u64) {
+        let msg = Message {
+            topic: bytes::Bytes::copy_from_slice(topic.as_bytes()),
+            payload: bytes::Bytes::copy_from_slice(payload),
+            qos,
+            retain,
+            props: None,
+            expires_at: None,
+            origin: state::BROKER_ORIGIN,
+        };
+        self.route(Arc::new(msg), now);
+    }
+
+    pub fn has_output(&self) -> bool {
+        !self.dirty.is_empty()
+    }
+
+    /// Calls `f(conn, bytes, close)` for every connection with output or a close request.
+    pub fn drain(&mut self, mut f: impl FnMut(ConnId, &[u8], bool)) {
+        let dirty = std::mem::take(&mut self.dirty);
+        for &id in &dirty {
+            if let Some(Some(conn)) = self.conns.get_mut(id as usize) {
+                conn.dirty = false;
+                self.stats.bytes_sent += conn.out.len() as u64;
+                f(id, &conn.out, conn.close_after_write);
+                conn.out.clear();
+                // A large burst should not pin its peak buffer for the connection's lifetime.
+                if conn.out.capacity() > 1 << 20 {
+                    conn.out.shrink_to(64 * 1024);
+                }
+            }
+        }
+        let mut dirty = dirty;
+        dirty.clear();
+        if self.dirty.is_empty() {
+            self.dirty = dirty;
+        }
+    }
+
+    pub fn take_events(&mut self) -> Vec<Event> {
+        std::mem::take(&mut self.events)
+    }
+
+    pub fn stats(&self) -> Stats {
+        let mut s = self.stats.clone();
+        s.clients_connected = self
+            .sessions
+            .iter()
+            .flatten()
+            .filter(|s| s.conn.is_some())
+            .count() as u64;
+        s
+    }
+
+    pub fn session_count(&self) -> usize {
+        self.by_client.len()
+    }
+
+    pub fn subscription_count(&self) -> usize {
+        self.subs.len()
+    }
+
+    pub fn retained_count(&self) -> usize {
+        self.retained.len()
+    }
+
+    pub fn inflight_count(&self) -> usize {
+        self.sessions.iter().flatten().map(|s| s.inflight.len()).sum()
+    }
+
+    pub fn queued_count(&self) -> usize {
+        self.sessions.iter().flatten().map(|s| s.queue.len()).sum()
+    }
+
+    // ---- internals shared by the handler files ----
+
+    fn conn_mut(&mut self, id: ConnId) -> Option<&mut Conn> {
+        self.conns.get_mut(id as usize).and_then(|c| c.as_mut())
+    }
+
+    fn conn(&self, id: ConnId) -> Option<&Conn> {
+        self.conns.get(id as usize).and_then(|c| c.as_ref())
+    }
+
+    fn session_mut(&mut self, sid: SessionId) -> Option<&mut Session> {
+        self.sessions.get_mut(sid as usize).and_then(|s| s.as_mut())
+    }
+
+    fn session(&self, sid: SessionId) -> Option<&Session> {
+        self.sessions.get(sid as usize).and_then(|s| s.as_ref())
+    }
+
+    fn mark_dirty(&mut self, id: ConnId) {
+        if let Some(conn) = self.conns.get_mut(id as usize).and_then(|c| c.as_mut()) {
+            if !conn.dirty {
+                conn.dirty = true;
+                self.dirty.push(id);
+            }
+        }
+    }
+
+    /// Encodes `packet` onto `id`'s output. Returns false (and writes nothing) when the
+    /// packet is larger than the client's Maximum Packet Size.
+    fn send(&mut self, id: ConnId, packet: &Packet) -> bool {
+        let Some(conn) = self.conns.get_mut(id as usize).and_then(|c| c.as_mut()) else {
+            return false;
+        };
+        let start = conn.out.len();
+        if codec::encode(packet, conn.protocol, &mut conn.out).is_err()
+            || conn.out.len() - start > conn.client_max_packet
+        {
+            conn.out.truncate(start);
+            return false;
+        }
+        self.mark_dirty(id);
+        true
+    }
+
+    fn event(&mut self, kind: &'static str, client: Arc<str>, detail: String) {
+        // Bounded so a caller that never reads events cannot grow memory without end.
+        if self.events.len() < 10_000 {
+            self.events.push((kind, client, detail));
+        }
+    }
+
+    /// Closes `id` on the broker's initiative: MQTT 5 clients first get DISCONNECT with
+    /// `reason` (if any). `abnormal` decides whether the will is published.
+    fn close(&mut self, id: ConnId, reason: Option<u8>, detail: &str, abnormal: bool, now: u64) {
+        let Some(conn) = self.conn_mut(id) else { return };
+        if conn.state == ConnState::Closing {
+            return;
+        }
+        let was_active = conn.state == ConnState::Active;
+        let protocol = conn.protocol;
+        let client = conn.client_id.clone();
+        if let (Some(code), Protocol::V5, true) = (reason, protocol, was_active) {
+            let mut properties = Properties::default();
+            if conn.problem_info && !detail.is_empty() {
+                properties.reason_string = Some(detail.to_string());
+            }
+            self.send(
+                id,
+                &Packet::Disconnect(Disconnect {
+                    reason_code: code,
+                    properties,
+                }),
+            );
+        }
+        if was_active {
+            self.disconnect_session(id, abnormal, now);
+        }
+        if !detail.is_empty() {
+            self.event("disconnect", client, detail.to_string());
+        }
+        let conn = self.conn_mut(id).expect("checked above");
+        conn.state = ConnState::Closing;
+        conn.close_after_write = true;
+        conn.rx.clear();
+        self.mark_dirty(id);
+    }
+
+    /// The decoder found a broken stream: MQTT 5 gets the reason code, then the close.
+    fn decode_failed(&mut self, id: ConnId, err: codec::DecodeError, now: u64) {
+        let Some(conn) = self.conn(id) else { return };
+        if conn.state == ConnState::AwaitConnect {
+            self.connect_decode_failed(id, err);
+            return;
+        }
+        let detail = format!("{err:?}");
+        self.event("protocol_error", conn.client_id.clone(), detail.clone());
+        self.close(id, Some(err.reason_code()), &detail, true, now);
+    }
+
+    /// Detaches the session from connection `id`. An abnormal end publishes the will (now, or
+    /// after its delay); a session with expiry 0 ends here.
+    fn disconnect_session(&mut self, id: ConnId, abnormal: bool, now: u64) {
+        let Some(conn) = self.conn_mut(id) else { return };
+        let will = conn.will.take();
+        let Some(sid) = conn.session.take() else { return };
+        let Some(session) = self.session_mut(sid) else { return };
+        if session.conn != Some(id) {
+            return;
+        }
+        session.conn = None;
+        session.disconnected_at = Some(now);
+        let expiry = session.expiry;
+        if let (true, Some(will)) = (abnormal, will) {
+            let delay = will.properties.will_delay_interval.unwrap_or(0);
+            if delay == 0 || expiry == 0 {
+                self.publish_will(will, sid, now);
+            } else {
+                let at = now + 1000 * u64::from(delay.min(expiry));
+                self.session_mut(sid).expect("exists").pending_will = Some((will, at));
+            }
+        }
+        if expiry == 0 {
+            self.end_session(sid, now);
+        }
+    }
+
+    fn publish_will(&mut self, will: codec::LastWill, origin: SessionId, now: u64) {
+        let mut props = will.properties;
+        props.will_delay_interval = None;
+        let expires_at = props
+            .message_expiry_interval
+            .map(|s| now + 1000 * u64::from(s));
+        let msg = Message {
+            topic: bytes::Bytes::from(will.topic.into_bytes()),
+            payload: will.payload,
+            qos: will.qos,
+            retain: will.retain,
+            props: router::forwarded_props(props),
+            expires_at,
+            origin,
+        };
+        self.route(Arc::new(msg), now);
+    }
+
+    /// Removes a session and all its subscriptions; a pending will goes out first.
+    fn end_session(&mut self, sid: SessionId, now: u64) {
+        let Some(session) = self.sessions.get_mut(sid as usize).and_then(|s| s.take()) else {
+            return;
+        };
+        for filter in session.subs.keys() {
+            self.subs.remove(filter, sid);
+        }
+        self.by_client.remove(&session.client_id);
+        self.free_sessions.push(sid);
+        if let Some((will, _)) = session.pending_will {
+            self.publish_will(will, state::BROKER_ORIGIN, now);
+        }
+    }
+
+    fn handle(&mut self, id: ConnId, packet: Packet, now: u64) {
+        let state = self.conn(id).map(|c| c.state);
+        if state == Some(ConnState::AwaitConnect) {
+            match packet {
+                Packet::Connect(connect) => self.handle_connect(id, *connect, now),
+                // Anything before CONNECT: close without a word (MQTT-3.1.0-1).
+                _ => self.close(id, None, "packet before CONNECT", false, now),
+            }
+            return;
+        }
+        match packet {
+            Packet::Publish(publish) => self.handle_publish(id, publish, now),
+            Packet::PubAck(ack) => self.handle_puback(id, ack, now),
+            Packet::PubRec(ack) => self.handle_pubrec(id, ack, now),
+            Packet::PubRel(ack) => self.handle_pubrel(id, ack),
+            Packet::PubComp(ack) => self.handle_pubcomp(id, ack, now),
+            Packet::Subscribe(sub) => self.handle_subscribe(id, sub, now),
+            Packet::Unsubscribe(unsub) => self.handle_unsubscribe(id, unsub),
+            Packet::PingReq => {
+                self.send(id, &Packet::PingResp);
+            }
+            Packet::Disconnect(d) => self.handle_disconnect(id, d, now),
+            Packet::Connect(_) => {
+                self.close(id, Some(0x82), "second CONNECT", true, now);
+            }
+            Packet::Auth(_) => {
+                // No enhanced authentication method is offered, so AUTH is unexpected.
+                self.close(id, Some(0x82), "unexpected AUTH", true, now);
+            }
+            Packet::ConnAck(_)
+            | Packet::SubAck(_)
+            | Packet::UnsubAck(_)
+            | Packet::PingResp => {
+                self.close(id, Some(0x82), "server-only packet from client", true, now);
+            }
+        }
+    }
+
+    fn handle_disconnect(&mut self, id: ConnId, d: Disconnect, now: u64) {
+        let Some(conn) = self.conn(id) else { return };
+        if let (Some(sid), Some(new_expiry)) = (conn.session, d.properties.session_expiry_interval)
+        {
+            let max = self.cfg.max_session_expiry;
+            if let Some(session) = self.session_mut(sid) {
+                if session.expiry == 0 && new_expiry != 0 {
+                    // MQTT-3.14.2-2: cannot turn a non-persistent session persistent here.
+                    self.close(id, Some(0x82), "session expiry set on DISCONNECT", true, now);
+                    return;
+                }
+                session.expiry = new_expiry.min(max);
+            }
+        }
+        // 0x04 = "disconnect with will message".
+        let with_will = d.reason_code == 0x04;
+        self.close(id, None, "", with_will, now);
+        let client = self.conn(id).map(|c| c.client_id.clone()).unwrap_or_default();
+        self.event("disconnect", client, format!("client DISCONNECT 0x{:02x}", d.reason_code));
+    }
+
+    /// PUBACK/PUBREC/PUBREL/PUBCOMP encoding helper.
+    fn ack(pkid: u16, reason_code: u8) -> Ack {
+        Ack {
+            pkid,
+            reason_code,
+            properties: Properties::default(),
+        }
+    }
+}

@@ -1,0 +1,439 @@
+//! The publish path: an incoming PUBLISH is checked, matched against the subscription index,
+//! and encoded straight onto each subscriber's output, or queued when it cannot go now.
+//! Also the acknowledgement flows of QoS 1 and 2 in both directions.
+
+use std::mem;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::state::{ConnState, Delivery, Inflight, InflightState, Message, SessionId};
+use super::{ConnId, Engine};
+use crate::codec::{Ack, Packet, Properties, Protocol, Publish, QoS};
+use crate::topics::SubOpts;
+
+/// The properties a message carries to its receivers, or None when there are none (the
+/// common case, which then costs nothing per delivery).
+pub(super) fn forwarded_props(mut p: Properties) -> Option<Box<Properties>> {
+    p.topic_alias = None;
+    p.subscription_identifiers.clear();
+    p.message_expiry_interval = None;
+    if p.payload_format_indicator.is_none()
+        && p.content_type.is_none()
+        && p.response_topic.is_none()
+        && p.correlation_data.is_none()
+        && p.user_properties.is_empty()
+    {
+        None
+    } else {
+        Some(Box::new(p))
+    }
+}
+
+/// Scratch space for one routing pass, kept between calls so routing does not allocate.
+#[derive(Default)]
+pub(super) struct RouteScratch {
+    plain: Vec<(SessionId, SubOpts)>,
+    targets: Vec<(SessionId, SubOpts, Vec<u32>)>,
+}
+
+impl Engine {
+    pub(super) fn handle_publish(&mut self, id: ConnId, mut p: Publish, now: u64) {
+        let conn = self.conn_mut(id).expect("caller checked");
+        let v5 = conn.protocol == Protocol::V5;
+        let sid = conn.session.expect("active connection has a session");
+        // Topic alias (MQTT 5): set or look up, and never forward it.
+        if let Some(alias) = p.properties.topic_alias.take() {
+            if alias == 0 || alias > self.cfg.topic_alias_maximum {
+                return self.close(id, Some(0x94), "topic alias invalid", true, now);
+            }
+            let conn = self.conn_mut(id).expect("exists");
+            if p.topic.is_empty() {
+                match conn.in_aliases.get(&alias) {
+                    Some(topic) => p.topic = topic.clone(),
+                    None => return self.close(id, Some(0x82), "unknown topic alias", true, now),
+                }
+            } else {
+                conn.in_aliases.insert(alias, p.topic.clone());
+            }
+        } else if p.topic.is_empty() {
+            return self.close(id, Some(0x82), "empty topic without alias", true, now);
+        }
+        if p.qos as u8 > self.cfg.maximum_qos {
+            return self.close(id, Some(0x9B), "QoS not supported", true, now);
+        }
+        if p.retain && !self.cfg.retain_available {
+            return self.close(id, Some(0x9A), "retain not supported", true, now);
+        }
+        self.stats.messages_received += 1;
+        match p.qos {
+            QoS::AtMostOnce => {
+                self.route(Arc::new(message_of(p, sid, now)), now);
+            }
+            QoS::AtLeastOnce => {
+                let pkid = p.pkid;
+                let delivered = self.route(Arc::new(message_of(p, sid, now)), now);
+                // 0x10: "no matching subscribers", as MQTT 5 lets the server say.
+                let code = if v5 && delivered == 0 { 0x10 } else { 0 };
+                self.send(id, &Packet::PubAck(Engine::ack(pkid, code)));
+            }
+            QoS::ExactlyOnce => {
+                let pkid = p.pkid;
+                let receive_maximum = usize::from(self.cfg.receive_maximum);
+                let session = self.session_mut(sid).expect("exists");
+                if session.inbound_qos2.contains(&pkid) {
+                    // A resend before PUBREL: acknowledge again, never deliver twice.
+                    self.send(id, &Packet::PubRec(Engine::ack(pkid, 0)));
+                    return;
+                }
+                if session.inbound_qos2.len() >= receive_maximum {
+                    return self.close(id, Some(0x93), "receive maximum exceeded", true, now);
+                }
+                session.inbound_qos2.insert(pkid);
+                let delivered = self.route(Arc::new(message_of(p, sid, now)), now);
+                let code = if v5 && delivered == 0 { 0x10 } else { 0 };
+                self.send(id, &Packet::PubRec(Engine::ack(pkid, code)));
+            }
+        }
+    }
+
+    pub(super) fn handle_pubrel(&mut self, id: ConnId, ack: Ack) {
+        let Some(sid) = self.conn(id).and_then(|c| c.session) else { return };
+        let known = self
+            .session_mut(sid)
+            .is_some_and(|s| s.inbound_qos2.remove(&ack.pkid));
+        // 0x92: packet identifier not found (MQTT 5; 3.1.1 ignores the code).
+        let code = if known { 0 } else { 0x92 };
+        self.send(id, &Packet::PubComp(Engine::ack(ack.pkid, code)));
+    }
+
+    pub(super) fn handle_puback(&mut self, id: ConnId, ack: Ack, now: u64) {
+        self.complete(id, ack.pkid, InflightState::AwaitPubAck, now);
+    }
+
+    pub(super) fn handle_pubcomp(&mut self, id: ConnId, ack: Ack, now: u64) {
+        self.complete(id, ack.pkid, InflightState::AwaitPubComp, now);
+    }
+
+    pub(super) fn handle_pubrec(&mut self, id: ConnId, ack: Ack, now: u64) {
+        let Some(sid) = self.conn(id).and_then(|c| c.session) else { return };
+        let session = self.session_mut(sid).expect("exists");
+        let pos = session
+            .inflight
+            .iter()
+            .position(|f| f.pkid == ack.pkid && f.state == InflightState::AwaitPubRec);
+        match pos {
+            Some(i) if ack.reason_code >= 0x80 => {
+                // The receiver refused it: the exchange ends here (MQTT 5 4.3.3).
+                session.inflight.remove(i);
+                self.pump(sid, now);
+            }
+            Some(i) => {
+                session.inflight[i].state = InflightState::AwaitPubComp;
+                self.send(id, &Packet::PubRel(Engine::ack(ack.pkid, 0)));
+            }
+            None => {
+                let code = if session
+                    .inflight
+                    .iter()
+                    .any(|f| f.pkid == ack.pkid && f.state == InflightState::AwaitPubComp)
+                {
+                    0
+                } else {
+                    0x92
+                };
+                self.send(id, &Packet::PubRel(Engine::ack(ack.pkid, code)));
+            }
+        }
+    }
+
+    /// Ends the in-flight exchange `pkid` awaiting `state`, then sends what was waiting.
+    fn complete(&mut self, id: ConnId, pkid: u16, state: InflightState, now: u64) {
+        let Some(sid) = self.conn(id).and_then(|c| c.session) else { return };
+        let session = self.session_mut(sid).expect("exists");
+        // Acks mostly come in order, so the match is usually at the front.
+        if let Some(i) = session
+            .inflight
+            .iter()
+            .position(|f| f.pkid == pkid && f.state == state)
+        {
+            session.inflight.remove(i);
+            self.pump(sid, now);
+        }
+    }
+
+    /// Delivers `msg` to every matching subscription and keeps it if retained. Returns how
+    /// many sessions it was delivered or queued to.
+    pub(super) fn route(&mut self, msg: Arc<Message>, now: u64) -> usize {
+        if msg.retain {
+            if msg.payload.is_empty() {
+                self.retained.remove(&msg.topic);
+            } else {
+                self.retained.insert(&msg.topic, msg.clone());
+            }
+        }
+        let mut scratch = mem::take(&mut self.scratch);
+        scratch.plain.clear();
+        scratch.targets.clear();
+        let mut shared = Vec::new();
+        self.subs.lookup(&msg.topic, &mut scratch.plain, &mut shared);
+        // Shared groups: one member each, round robin, preferring connected members.
+        let mut picked: Vec<(SessionId, SubOpts)> = Vec::with_capacity(shared.len());
+        for group in &shared {
+            let n = group.members.len() as u32;
+            let start = group.cursor.get();
+            let mut choice = None;
+            for k in 0..n {
+                let (sid, opts) = group.members[((start + k) % n) as usize];
+                let online = self.session(sid).is_some_and(|s| s.conn.is_some());
+                if online || choice.is_none() {
+                    choice = Some(((start + k) % n, sid, opts));
+                    if online {
+                        break;
+                    }
+                }
+            }
+            if let Some((idx, sid, opts)) = choice {
+                group.cursor.set(idx + 1);
+                picked.push((sid, opts));
+            }
+        }
+        drop(shared);
+
+        // Overlapping subscriptions of one session: one copy, highest QoS, every identifier.
+        scratch.plain.sort_unstable_by_key(|(sid, _)| *sid);
+        for &(sid, opts) in &scratch.plain {
+            if opts.no_local && sid == msg.origin {
+                continue;
+            }
+            match scratch.targets.last_mut() {
+                Some((last, merged, ids)) if *last == sid => {
+                    merged.qos = merged.qos.max(opts.qos);
+                    merged.retain_as_published |= opts.retain_as_published;
+                    if opts.identifier != 0 {
+                        ids.push(opts.identifier);
+                    }
+                }
+                _ => {
+                    let ids = if opts.identifier != 0 {
+                        vec![opts.identifier]
+                    } else {
+                        Vec::new()
+                    };
+                    scratch.targets.push((sid, opts, ids));
+                }
+            }
+        }
+        for (sid, opts) in picked {
+            let ids = if opts.identifier != 0 {
+                vec![opts.identifier]
+            } else {
+                Vec::new()
+            };
+            scratch.targets.push((sid, opts, ids));
+        }
+        let mut count = 0;
+        for (sid, opts, ids) in scratch.targets.drain(..) {
+            let delivery = Delivery {
+                qos: msg.qos.min(opts.qos),
+                retain: msg.retain && opts.retain_as_published,
+                sub_ids: ids,
+                msg: msg.clone(),
+            };
+            self.deliver(sid, delivery, now);
+            count += 1;
+        }
+        self.scratch = scratch;
+        count
+    }
+
+    /// Sends `d` to session `sid` now if it can go, else queues it (bounded).
+    pub(super) fn deliver(&mut self, sid: SessionId, d: Delivery, now: u64) {
+        let window = self.window(sid);
+        let Some(session) = self.session_mut(sid) else { return };
+        let conn = session.conn;
+        let can_send = match (conn, window) {
+            (Some(_), Some(free)) => session.queue.is_empty() && (d.qos == QoS::AtMostOnce || free > 0),
+            _ => false,
+        };
+        if can_send {
+            let cid = conn.expect("checked");
+            self.transmit(sid, cid, d, now);
+            return;
+        }
+        if conn.is_none() && d.qos == QoS::AtMostOnce {
+            // Offline sessions keep QoS 1/2 only (MQTT 3.1.1 4.4, like Mosquitto's default).
+            return;
+        }
+        self.enqueue(sid, d);
+    }
+
+    /// Free in-flight slots when `sid`'s connection may be written to now, else None.
+    fn window(&self, sid: SessionId) -> Option<usize> {
+        let session = self.session(sid)?;
+        let conn = self.conn(session.conn?)?;
+        if !conn.writable || conn.state != ConnState::Active {
+            return None;
+        }
+        let cap = usize::from(conn.client_receive_max.min(self.cfg.max_inflight));
+        Some(cap.saturating_sub(session.inflight.len()))
+    }
+
+    fn enqueue(&mut self, sid: SessionId, d: Delivery) {
+        let max_msgs = self.cfg.max_queued_messages;
+        let max_bytes = self.cfg.max_queued_bytes;
+        let mut dropped = 0;
+        let session = self.session_mut(sid).expect("caller checked");
+        let size = d.msg.payload.len();
+        let full = |s: &super::state::Session| {
+            s.queue.len() >= max_msgs || (max_bytes > 0 && s.queued_bytes + size > max_bytes)
+        };
+        if full(session) && d.qos != QoS::AtMostOnce {
+            // Make room by dropping queued QoS 0 first.
+            while full(session) {
+                let Some(i) = session.queue.iter().position(|q| q.qos == QoS::AtMostOnce) else {
+                    break;
+                };
+                let old = session.queue.remove(i).expect("index valid");
+                session.queued_bytes -= old.msg.payload.len();
+                dropped += 1;
+            }
+        }
+        if full(session) {
+            dropped += 1;
+        } else {
+            session.queued_bytes += size;
+            session.queue.push_back(d);
+        }
+        self.stats.publish_dropped += dropped;
+    }
+
+    /// Sends queued messages while the window and the transport allow.
+    pub(super) fn pump(&mut self, sid: SessionId, now: u64) {
+        loop {
+            let Some(free) = self.window(sid) else { return };
+            let session = self.session_mut(sid).expect("window checked");
+            let Some(front) = session.queue.front() else { return };
+            if front.qos != QoS::AtMostOnce && free == 0 {
+                return;
+            }
+            let d = session.queue.pop_front().expect("front exists");
+            session.queued_bytes -= d.msg.payload.len();
+            let cid = session.conn.expect("window checked");
+            if d.msg.expired(now) {
+                continue;
+            }
+            self.transmit(sid, cid, d, now);
+        }
+    }
+
+    /// Puts `d` on the wire for connection `cid` of session `sid`, in flight if QoS > 0.
+    fn transmit(&mut self, sid: SessionId, cid: ConnId, d: Delivery, now: u64) {
+        if d.msg.expired(now) {
+            return;
+        }
+        let pkid = if d.qos == QoS::AtMostOnce {
+            0
+        } else {
+            self.session_mut(sid).expect("exists").alloc_pkid()
+        };
+        if !self.send_publish(cid, &d, pkid, false, now) {
+            // Too large for this client: dropped as if delivered (MQTT-3.1.2-25).
+            self.stats.publish_dropped += 1;
+            return;
+        }
+        if d.qos != QoS::AtMostOnce {
+            let state = if d.qos == QoS::AtLeastOnce {
+                InflightState::AwaitPubAck
+            } else {
+                InflightState::AwaitPubRec
+            };
+            self.session_mut(sid).expect("exists").inflight.push_back(Inflight {
+                pkid,
+                state,
+                delivery: d,
+            });
+        }
+    }
+
+    /// Encodes one PUBLISH of `d` onto `cid`'s output, with this connection's topic alias
+    /// and the remaining expiry. Returns false if it exceeds the client's maximum size.
+    pub(super) fn send_publish(
+        &mut self,
+        cid: ConnId,
+        d: &Delivery,
+        pkid: u16,
+        dup: bool,
+        now: u64,
+    ) -> bool {
+        let alias_enabled = self.cfg.outgoing_topic_aliases;
+        let Some(conn) = self.conn_mut(cid) else { return false };
+        let msg = &d.msg;
+        let mut properties = match &msg.props {
+            Some(p) => (**p).clone(),
+            None => Properties::default(),
+        };
+        let mut topic = msg.topic.clone();
+        if conn.protocol == Protocol::V5 {
+            if let Some(at) = msg.expires_at {
+                // Remaining whole seconds, rounded up so a live message never says 0.
+                properties.message_expiry_interval = Some(at.saturating_sub(now).div_ceil(1000) as u32);
+            }
+            properties.subscription_identifiers = d.sub_ids.clone();
+            if alias_enabled && conn.client_topic_alias_max > 0 {
+                match conn.out_aliases.get(&msg.topic) {
+                    Some(&alias) => {
+                        properties.topic_alias = Some(alias);
+                        topic = Bytes::new();
+                    }
+                    None => {
+                        let next = conn.out_aliases.len() as u16 + 1;
+                        if next <= conn.client_topic_alias_max {
+                            conn.out_aliases.insert(msg.topic.clone(), next);
+                            properties.topic_alias = Some(next);
+                        }
+                    }
+                }
+            }
+        }
+        let packet = Packet::Publish(Publish {
+            dup,
+            qos: d.qos,
+            retain: d.retain,
+            topic,
+            pkid,
+            properties,
+            payload: msg.payload.clone(),
+        });
+        let ok = self.send(cid, &packet);
+        if ok {
+            self.stats.messages_sent += 1;
+        } else if let (Some(conn), Packet::Publish(p)) = (self.conn_mut(cid), &packet) {
+            // An alias assigned for a message that was not sent must not be assumed known.
+            if !p.topic.is_empty() {
+                if let Some(alias) = p.properties.topic_alias {
+                    if conn.out_aliases.get(&d.msg.topic) == Some(&alias) {
+                        conn.out_aliases.remove(&d.msg.topic);
+                    }
+                }
+            }
+        }
+        ok
+    }
+}
+
+fn message_of(p: Publish, origin: SessionId, now: u64) -> Message {
+    let expires_at = p
+        .properties
+        .message_expiry_interval
+        .map(|s| now + 1000 * u64::from(s));
+    Message {
+        topic: p.topic,
+        payload: p.payload,
+        qos: p.qos,
+        retain: p.retain,
+        props: forwarded_props(p.properties),
+        expires_at,
+        origin,
+    }
+}

@@ -1,0 +1,182 @@
+//! What the engine keeps per message, per network connection and per session.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+
+use crate::codec::{LastWill, Properties, Protocol, QoS};
+use crate::topics::SubOpts;
+
+pub type ConnId = u32;
+pub type SessionId = u32;
+
+/// Origin of a message published by the broker itself (`$SYS`), never a session id.
+pub const BROKER_ORIGIN: SessionId = u32::MAX;
+
+/// One application message as routed: shared by every queue and in-flight slot that holds it.
+#[derive(Debug)]
+pub struct Message {
+    pub topic: Bytes,
+    pub payload: Bytes,
+    pub qos: QoS,
+    pub retain: bool,
+    /// Properties forwarded unchanged (payload format, content type, response topic,
+    /// correlation data, user properties); expiry, alias and subscription ids are per delivery.
+    pub props: Option<Box<Properties>>,
+    /// Monotonic ms after which the message is no longer delivered.
+    pub expires_at: Option<u64>,
+    /// Publishing session, for no-local.
+    pub origin: SessionId,
+}
+
+impl Message {
+    pub fn expired(&self, now: u64) -> bool {
+        self.expires_at.is_some_and(|t| now >= t)
+    }
+}
+
+/// A message waiting for, or in, delivery to one session: the message plus what this
+/// subscriber's subscriptions made of it.
+#[derive(Clone, Debug)]
+pub struct Delivery {
+    pub msg: Arc<Message>,
+    pub qos: QoS,
+    pub retain: bool,
+    /// Subscription identifiers of every matching subscription (MQTT 5).
+    pub sub_ids: Vec<u32>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InflightState {
+    /// QoS 1 sent, waiting for PUBACK.
+    AwaitPubAck,
+    /// QoS 2 sent, waiting for PUBREC.
+    AwaitPubRec,
+    /// PUBREL sent, waiting for PUBCOMP.
+    AwaitPubComp,
+}
+
+#[derive(Debug)]
+pub struct Inflight {
+    pub pkid: u16,
+    pub state: InflightState,
+    pub delivery: Delivery,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConnState {
+    /// Waiting for CONNECT.
+    AwaitConnect,
+    Active,
+    /// The engine asked the caller to close it; input is ignored.
+    Closing,
+}
+
+pub struct Conn {
+    pub state: ConnState,
+    pub protocol: Protocol,
+    /// Bytes read but not yet a whole packet.
+    pub rx: BytesMut,
+    /// Bytes to write, handed out by `drain`.
+    pub out: Vec<u8>,
+    pub close_after_write: bool,
+    /// Whether the connection is in the engine's dirty list.
+    pub dirty: bool,
+    /// False while the transport's write buffer is above its high-water mark.
+    pub writable: bool,
+    pub session: Option<SessionId>,
+    pub opened_at: u64,
+    pub last_rx: u64,
+    /// Keepalive in ms (0 = none); the connection is closed after 1.5 times it.
+    pub keep_alive_ms: u64,
+    pub will: Option<LastWill>,
+    /// Client's limits (MQTT 5 CONNECT properties).
+    pub client_max_packet: usize,
+    pub client_receive_max: u16,
+    pub client_topic_alias_max: u16,
+    /// Aliases the broker assigned for topics it sends.
+    pub out_aliases: HashMap<Bytes, u16>,
+    /// Aliases the client set for topics it publishes.
+    pub in_aliases: HashMap<u16, Bytes>,
+    /// Whether the client wants reason strings and user properties on errors.
+    pub problem_info: bool,
+    pub client_id: Arc<str>,
+}
+
+impl Conn {
+    pub fn new(now: u64) -> Conn {
+        Conn {
+            state: ConnState::AwaitConnect,
+            protocol: Protocol::V311,
+            rx: BytesMut::new(),
+            out: Vec::new(),
+            close_after_write: false,
+            dirty: false,
+            writable: true,
+            session: None,
+            opened_at: now,
+            last_rx: now,
+            keep_alive_ms: 0,
+            will: None,
+            client_max_packet: usize::MAX,
+            client_receive_max: 65535,
+            client_topic_alias_max: 0,
+            out_aliases: HashMap::new(),
+            in_aliases: HashMap::new(),
+            problem_info: true,
+            client_id: Arc::from(""),
+        }
+    }
+}
+
+pub struct Session {
+    pub client_id: Arc<str>,
+    pub conn: Option<ConnId>,
+    /// Filter (as subscribed, `$share/...` included) -> options.
+    pub subs: HashMap<String, SubOpts>,
+    /// Seconds the session outlives its connection; u32::MAX = forever.
+    pub expiry: u32,
+    pub disconnected_at: Option<u64>,
+    /// Messages not yet sent (offline, window full, or transport not writable).
+    pub queue: VecDeque<Delivery>,
+    pub queued_bytes: usize,
+    /// Sent, not yet acknowledged, in send order.
+    pub inflight: VecDeque<Inflight>,
+    pub next_pkid: u16,
+    /// QoS 2 packet ids received and passed on, awaiting PUBREL: a repeat is not delivered
+    /// again.
+    pub inbound_qos2: HashSet<u16>,
+    /// A will waiting for its delay (or the session end) after an abnormal disconnect.
+    pub pending_will: Option<(LastWill, u64)>,
+}
+
+impl Session {
+    pub fn new(client_id: Arc<str>) -> Session {
+        Session {
+            client_id,
+            conn: None,
+            subs: HashMap::new(),
+            expiry: 0,
+            disconnected_at: None,
+            queue: VecDeque::new(),
+            queued_bytes: 0,
+            inflight: VecDeque::new(),
+            next_pkid: 1,
+            inbound_qos2: HashSet::new(),
+            pending_will: None,
+        }
+    }
+
+    /// Next packet id not in flight (1..=65535).
+    pub fn alloc_pkid(&mut self) -> u16 {
+        loop {
+            let id = self.next_pkid;
+            self.next_pkid = if id == u16::MAX { 1 } else { id + 1 };
+            // The window is far below 65535, so this ends quickly.
+            if !self.inflight.iter().any(|f| f.pkid == id) {
+                return id;
+            }
+        }
+    }
+}

@@ -1,0 +1,70 @@
+//! Time: connect and keepalive timeouts, delayed wills, session expiry, expired retained
+//! messages. Called by the caller's periodic tick, never per message.
+
+use super::state::{ConnId, ConnState, SessionId};
+use super::Engine;
+
+/// How often expired retained messages are purged (they are skipped on delivery anyway).
+const RETAINED_PURGE_MS: u64 = 10_000;
+
+impl Engine {
+    pub fn tick(&mut self, now: u64) {
+        let connect_timeout = self.cfg.connect_timeout_ms;
+        let mut to_close: Vec<(ConnId, bool)> = Vec::new();
+        for (i, conn) in self.conns.iter().enumerate() {
+            let Some(conn) = conn else { continue };
+            match conn.state {
+                ConnState::AwaitConnect if now.saturating_sub(conn.opened_at) >= connect_timeout => {
+                    to_close.push((i as ConnId, false));
+                }
+                // MQTT-3.1.2-24: one and a half times the keepalive without a packet.
+                ConnState::Active
+                    if conn.keep_alive_ms > 0
+                        && now.saturating_sub(conn.last_rx) >= conn.keep_alive_ms * 3 / 2 =>
+                {
+                    to_close.push((i as ConnId, true));
+                }
+                _ => {}
+            }
+        }
+        for (id, active) in to_close {
+            if active {
+                // 0x8D: keep alive timeout; the will is published (abnormal end).
+                self.close(id, Some(0x8D), "keep alive timeout", true, now);
+            } else {
+                self.close(id, None, "no CONNECT in time", false, now);
+            }
+        }
+
+        let mut wills = Vec::new();
+        let mut expired: Vec<SessionId> = Vec::new();
+        for (i, s) in self.sessions.iter().enumerate() {
+            let Some(s) = s else { continue };
+            let Some(since) = s.disconnected_at else { continue };
+            if s.conn.is_some() {
+                continue;
+            }
+            if let Some((_, at)) = &s.pending_will {
+                if now >= *at {
+                    wills.push(i as SessionId);
+                }
+            }
+            if s.expiry != u32::MAX && now >= since + 1000 * u64::from(s.expiry) {
+                expired.push(i as SessionId);
+            }
+        }
+        for sid in wills {
+            if let Some((will, _)) = self.session_mut(sid).and_then(|s| s.pending_will.take()) {
+                self.publish_will(will, sid, now);
+            }
+        }
+        for sid in expired {
+            self.end_session(sid, now);
+        }
+
+        if now >= self.last_purge + RETAINED_PURGE_MS {
+            self.last_purge = now;
+            self.retained.retain(|m| !m.expired(now));
+        }
+    }
+}
