@@ -11,7 +11,9 @@ use crate::topics;
 impl Engine {
     /// A CONNECT that did not decode: the CONNACK code the spec names where there is one.
     pub(super) fn connect_decode_failed(&mut self, id: ConnId, err: DecodeError) {
-        let Some(conn) = self.conn_mut(id) else { return };
+        let Some(conn) = self.conn_mut(id) else {
+            return;
+        };
         // The protocol level is unknown or broken: answer in the version a client of that
         // kind understands. For an unsupported level that is 3.1.1's return code 1 for
         // old clients and 0x84 for 5.0 ones; we cannot know which, and the spec lets the
@@ -32,7 +34,11 @@ impl Engine {
         conn.close_after_write = true;
         conn.rx.clear();
         self.mark_dirty(id);
-        self.event("protocol_error", Arc::from(""), format!("bad CONNECT: {err:?}"));
+        self.event(
+            "protocol_error",
+            Arc::from(""),
+            format!("bad CONNECT: {err:?}"),
+        );
     }
 
     /// Refuses a CONNECT with `code` (MQTT 5 reason; mapped for 3.1.1) and closes.
@@ -55,7 +61,11 @@ impl Engine {
         conn.close_after_write = true;
         conn.rx.clear();
         self.mark_dirty(id);
-        self.event("connect_refused", Arc::from(""), format!("0x{code:02x} {why}"));
+        self.event(
+            "connect_refused",
+            Arc::from(""),
+            format!("0x{code:02x} {why}"),
+        );
     }
 
     pub(super) fn handle_connect(&mut self, id: ConnId, c: Connect, now: u64) {
@@ -127,7 +137,11 @@ impl Engine {
             if let Some(old) = self.session(sid).and_then(|s| s.conn) {
                 // The old connection's will goes as for any abnormal end (MQTT-3.1.4-3).
                 self.close(old, Some(0x8E), "session taken over", true, now);
-                self.event("takeover", client_id.clone(), format!("conn {old} replaced by {id}"));
+                self.event(
+                    "takeover",
+                    client_id.clone(),
+                    format!("conn {old} replaced by {id}"),
+                );
             }
         }
         let existing = self.by_client.get(&client_id).copied();
@@ -224,7 +238,9 @@ impl Engine {
     /// After a resume: every unacknowledged PUBLISH again with DUP, every PUBREL again
     /// (MQTT-4.4.0-1), in the original order.
     fn resend_inflight(&mut self, sid: SessionId, id: ConnId, now: u64) {
-        let Some(session) = self.session_mut(sid) else { return };
+        let Some(session) = self.session_mut(sid) else {
+            return;
+        };
         let inflight = std::mem::take(&mut session.inflight);
         for f in inflight.iter() {
             match f.state {

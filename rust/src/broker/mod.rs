@@ -98,7 +98,9 @@ impl Engine {
 
     /// Bytes read from `id`: decodes and handles every whole packet in them.
     pub fn feed(&mut self, id: ConnId, data: &[u8], now: u64) {
-        let Some(conn) = self.conn_mut(id) else { return };
+        let Some(conn) = self.conn_mut(id) else {
+            return;
+        };
         if conn.state == ConnState::Closing {
             return;
         }
@@ -107,7 +109,9 @@ impl Engine {
         self.stats.bytes_received += data.len() as u64;
         let max_packet_size = self.cfg.max_packet_size as usize;
         loop {
-            let Some(conn) = self.conn_mut(id) else { return };
+            let Some(conn) = self.conn_mut(id) else {
+                return;
+            };
             if conn.state == ConnState::Closing {
                 return;
             }
@@ -126,7 +130,9 @@ impl Engine {
 
     /// The connection is gone: closed by the peer, or by the caller after `drain` asked.
     pub fn closed(&mut self, id: ConnId, now: u64) {
-        let Some(conn) = self.conn_mut(id) else { return };
+        let Some(conn) = self.conn_mut(id) else {
+            return;
+        };
         if conn.state != ConnState::Closing {
             // Not a close the engine asked for: an abnormal disconnect (will is published).
             self.disconnect_session(id, true, now);
@@ -138,7 +144,9 @@ impl Engine {
 
     /// The transport's write buffer went above (false) or back below (true) its high mark.
     pub fn set_writable(&mut self, id: ConnId, writable: bool, now: u64) {
-        let Some(conn) = self.conn_mut(id) else { return };
+        let Some(conn) = self.conn_mut(id) else {
+            return;
+        };
         conn.writable = writable;
         if writable {
             if let Some(sid) = conn.session {
@@ -148,7 +156,14 @@ impl Engine {
     }
 
     /// A message from the broker itself (e.g. `$SYS`).
-    pub fn publish(&mut self, topic: &str, payload: &[u8], qos: codec::QoS, retain: bool, now: u64) {
+    pub fn publish(
+        &mut self,
+        topic: &str,
+        payload: &[u8],
+        qos: codec::QoS,
+        retain: bool,
+        now: u64,
+    ) {
         let msg = Message {
             topic: bytes::Bytes::copy_from_slice(topic.as_bytes()),
             payload: bytes::Bytes::copy_from_slice(payload),
@@ -215,7 +230,11 @@ impl Engine {
     }
 
     pub fn inflight_count(&self) -> usize {
-        self.sessions.iter().flatten().map(|s| s.inflight.len()).sum()
+        self.sessions
+            .iter()
+            .flatten()
+            .map(|s| s.inflight.len())
+            .sum()
     }
 
     pub fn queued_count(&self) -> usize {
@@ -276,7 +295,9 @@ impl Engine {
     /// Closes `id` on the broker's initiative: MQTT 5 clients first get DISCONNECT with
     /// `reason` (if any). `abnormal` decides whether the will is published.
     fn close(&mut self, id: ConnId, reason: Option<u8>, detail: &str, abnormal: bool, now: u64) {
-        let Some(conn) = self.conn_mut(id) else { return };
+        let Some(conn) = self.conn_mut(id) else {
+            return;
+        };
         if conn.state == ConnState::Closing {
             return;
         }
@@ -324,10 +345,16 @@ impl Engine {
     /// Detaches the session from connection `id`. An abnormal end publishes the will (now, or
     /// after its delay); a session with expiry 0 ends here.
     fn disconnect_session(&mut self, id: ConnId, abnormal: bool, now: u64) {
-        let Some(conn) = self.conn_mut(id) else { return };
+        let Some(conn) = self.conn_mut(id) else {
+            return;
+        };
         let will = conn.will.take();
-        let Some(sid) = conn.session.take() else { return };
-        let Some(session) = self.session_mut(sid) else { return };
+        let Some(sid) = conn.session.take() else {
+            return;
+        };
+        let Some(session) = self.session_mut(sid) else {
+            return;
+        };
         if session.conn != Some(id) {
             return;
         }
@@ -410,10 +437,7 @@ impl Engine {
                 // No enhanced authentication method is offered, so AUTH is unexpected.
                 self.close(id, Some(0x82), "unexpected AUTH", true, now);
             }
-            Packet::ConnAck(_)
-            | Packet::SubAck(_)
-            | Packet::UnsubAck(_)
-            | Packet::PingResp => {
+            Packet::ConnAck(_) | Packet::SubAck(_) | Packet::UnsubAck(_) | Packet::PingResp => {
                 self.close(id, Some(0x82), "server-only packet from client", true, now);
             }
         }
@@ -427,7 +451,13 @@ impl Engine {
             if let Some(session) = self.session_mut(sid) {
                 if session.expiry == 0 && new_expiry != 0 {
                     // MQTT-3.14.2-2: cannot turn a non-persistent session persistent here.
-                    self.close(id, Some(0x82), "session expiry set on DISCONNECT", true, now);
+                    self.close(
+                        id,
+                        Some(0x82),
+                        "session expiry set on DISCONNECT",
+                        true,
+                        now,
+                    );
                     return;
                 }
                 session.expiry = new_expiry.min(max);
@@ -436,8 +466,15 @@ impl Engine {
         // 0x04 = "disconnect with will message".
         let with_will = d.reason_code == 0x04;
         self.close(id, None, "", with_will, now);
-        let client = self.conn(id).map(|c| c.client_id.clone()).unwrap_or_default();
-        self.event("disconnect", client, format!("client DISCONNECT 0x{:02x}", d.reason_code));
+        let client = self
+            .conn(id)
+            .map(|c| c.client_id.clone())
+            .unwrap_or_default();
+        self.event(
+            "disconnect",
+            client,
+            format!("client DISCONNECT 0x{:02x}", d.reason_code),
+        );
     }
 
     /// PUBACK/PUBREC/PUBREL/PUBCOMP encoding helper.

@@ -54,7 +54,7 @@ impl Engine {
                     None => return self.close(id, Some(0x82), "unknown topic alias", true, now),
                 }
             } else {
-                conn.in_aliases.insert(alias, p.topic.clone());
+                conn.in_aliases.insert(alias, Bytes::copy_from_slice(&p.topic));
             }
         } else if p.topic.is_empty() {
             return self.close(id, Some(0x82), "empty topic without alias", true, now);
@@ -98,7 +98,9 @@ impl Engine {
     }
 
     pub(super) fn handle_pubrel(&mut self, id: ConnId, ack: Ack) {
-        let Some(sid) = self.conn(id).and_then(|c| c.session) else { return };
+        let Some(sid) = self.conn(id).and_then(|c| c.session) else {
+            return;
+        };
         let known = self
             .session_mut(sid)
             .is_some_and(|s| s.inbound_qos2.remove(&ack.pkid));
@@ -116,7 +118,9 @@ impl Engine {
     }
 
     pub(super) fn handle_pubrec(&mut self, id: ConnId, ack: Ack, now: u64) {
-        let Some(sid) = self.conn(id).and_then(|c| c.session) else { return };
+        let Some(sid) = self.conn(id).and_then(|c| c.session) else {
+            return;
+        };
         let session = self.session_mut(sid).expect("exists");
         let pos = session
             .inflight
@@ -149,7 +153,9 @@ impl Engine {
 
     /// Ends the in-flight exchange `pkid` awaiting `state`, then sends what was waiting.
     fn complete(&mut self, id: ConnId, pkid: u16, state: InflightState, now: u64) {
-        let Some(sid) = self.conn(id).and_then(|c| c.session) else { return };
+        let Some(sid) = self.conn(id).and_then(|c| c.session) else {
+            return;
+        };
         let session = self.session_mut(sid).expect("exists");
         // Acks mostly come in order, so the match is usually at the front.
         if let Some(i) = session
@@ -176,7 +182,8 @@ impl Engine {
         scratch.plain.clear();
         scratch.targets.clear();
         let mut shared = Vec::new();
-        self.subs.lookup(&msg.topic, &mut scratch.plain, &mut shared);
+        self.subs
+            .lookup(&msg.topic, &mut scratch.plain, &mut shared);
         // Shared groups: one member each, round robin, preferring connected members.
         let mut picked: Vec<(SessionId, SubOpts)> = Vec::with_capacity(shared.len());
         for group in &shared {
@@ -250,10 +257,14 @@ impl Engine {
     /// Sends `d` to session `sid` now if it can go, else queues it (bounded).
     pub(super) fn deliver(&mut self, sid: SessionId, d: Delivery, now: u64) {
         let window = self.window(sid);
-        let Some(session) = self.session_mut(sid) else { return };
+        let Some(session) = self.session_mut(sid) else {
+            return;
+        };
         let conn = session.conn;
         let can_send = match (conn, window) {
-            (Some(_), Some(free)) => session.queue.is_empty() && (d.qos == QoS::AtMostOnce || free > 0),
+            (Some(_), Some(free)) => {
+                session.queue.is_empty() && (d.qos == QoS::AtMostOnce || free > 0)
+            }
             _ => false,
         };
         if can_send {
@@ -313,7 +324,9 @@ impl Engine {
         loop {
             let Some(free) = self.window(sid) else { return };
             let session = self.session_mut(sid).expect("window checked");
-            let Some(front) = session.queue.front() else { return };
+            let Some(front) = session.queue.front() else {
+                return;
+            };
             if front.qos != QoS::AtMostOnce && free == 0 {
                 return;
             }
@@ -348,11 +361,14 @@ impl Engine {
             } else {
                 InflightState::AwaitPubRec
             };
-            self.session_mut(sid).expect("exists").inflight.push_back(Inflight {
-                pkid,
-                state,
-                delivery: d,
-            });
+            self.session_mut(sid)
+                .expect("exists")
+                .inflight
+                .push_back(Inflight {
+                    pkid,
+                    state,
+                    delivery: d,
+                });
         }
     }
 
@@ -367,7 +383,9 @@ impl Engine {
         now: u64,
     ) -> bool {
         let alias_enabled = self.cfg.outgoing_topic_aliases;
-        let Some(conn) = self.conn_mut(cid) else { return false };
+        let Some(conn) = self.conn_mut(cid) else {
+            return false;
+        };
         let msg = &d.msg;
         let mut properties = match &msg.props {
             Some(p) => (**p).clone(),
@@ -377,7 +395,8 @@ impl Engine {
         if conn.protocol == Protocol::V5 {
             if let Some(at) = msg.expires_at {
                 // Remaining whole seconds, rounded up so a live message never says 0.
-                properties.message_expiry_interval = Some(at.saturating_sub(now).div_ceil(1000) as u32);
+                properties.message_expiry_interval =
+                    Some(at.saturating_sub(now).div_ceil(1000) as u32);
             }
             properties.subscription_identifiers = d.sub_ids.clone();
             if alias_enabled && conn.client_topic_alias_max > 0 {
@@ -427,13 +446,31 @@ fn message_of(p: Publish, origin: SessionId, now: u64) -> Message {
         .properties
         .message_expiry_interval
         .map(|s| now + 1000 * u64::from(s));
+    let (topic, payload) = compact(&p.topic, p.payload);
     Message {
-        topic: p.topic,
-        payload: p.payload,
+        topic,
+        payload,
         qos: p.qos,
         retain: p.retain,
         props: forwarded_props(p.properties),
         expires_at,
         origin,
     }
+}
+
+/// Below this size a payload is copied out of the read buffer it was parsed from.
+const COPY_PAYLOAD_BELOW: usize = 64 * 1024;
+
+/// Topic and payload in one allocation of their own: a message that is queued or retained
+/// must not pin the whole read buffer its bytes were sliced from. Large payloads fill most
+/// of their buffer anyway, so they stay where they are.
+fn compact(topic: &Bytes, payload: Bytes) -> (Bytes, Bytes) {
+    if payload.len() >= COPY_PAYLOAD_BELOW {
+        return (Bytes::copy_from_slice(topic), payload);
+    }
+    let mut buf = bytes::BytesMut::with_capacity(topic.len() + payload.len());
+    buf.extend_from_slice(topic);
+    buf.extend_from_slice(&payload);
+    let buf = buf.freeze();
+    (buf.slice(..topic.len()), buf.slice(topic.len()..))
 }

@@ -30,7 +30,13 @@ impl Engine {
             let shared = topics::split_shared(&f.filter);
             if shared.is_some() && f.no_local {
                 // MQTT-3.8.3-4: No Local on a shared subscription is a protocol error.
-                return self.close(id, Some(0x82), "no local on a shared subscription", true, now);
+                return self.close(
+                    id,
+                    Some(0x82),
+                    "no local on a shared subscription",
+                    true,
+                    now,
+                );
             }
             if self.denied(&f.filter) {
                 codes.push(if v5 { 0x87 } else { 0x80 });
@@ -71,7 +77,8 @@ impl Engine {
         );
         for (filter, opts) in retained_for {
             let mut found: Vec<Arc<Message>> = Vec::new();
-            self.retained.for_each_match(&filter, |m| found.push(m.clone()));
+            self.retained
+                .for_each_match(&filter, |m| found.push(m.clone()));
             for msg in found {
                 if msg.expired(now) {
                     continue;

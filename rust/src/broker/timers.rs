@@ -14,7 +14,9 @@ impl Engine {
         for (i, conn) in self.conns.iter().enumerate() {
             let Some(conn) = conn else { continue };
             match conn.state {
-                ConnState::AwaitConnect if now.saturating_sub(conn.opened_at) >= connect_timeout => {
+                ConnState::AwaitConnect
+                    if now.saturating_sub(conn.opened_at) >= connect_timeout =>
+                {
                     to_close.push((i as ConnId, false));
                 }
                 // MQTT-3.1.2-24: one and a half times the keepalive without a packet.
@@ -40,7 +42,9 @@ impl Engine {
         let mut expired: Vec<SessionId> = Vec::new();
         for (i, s) in self.sessions.iter().enumerate() {
             let Some(s) = s else { continue };
-            let Some(since) = s.disconnected_at else { continue };
+            let Some(since) = s.disconnected_at else {
+                continue;
+            };
             if s.conn.is_some() {
                 continue;
             }
