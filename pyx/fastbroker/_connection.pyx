@@ -1,0 +1,208 @@
+"""Connection layer: asyncio protocols that hand bytes to the Rust engine and write its output.
+
+The engine does all MQTT work. Per read, Python only calls ``engine.feed`` and, at most once per
+loop iteration, schedules a flush that writes everything ``engine.drain`` returns.
+"""
+
+import logging
+import socket
+
+cimport cython
+from libc.stdint cimport uint64_t
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+logger = logging.getLogger("fastbroker.connection")
+event_logger = logging.getLogger("fastbroker.engine")
+
+# Connects and disconnects are routine and frequent under load; the rest merit an operator's eye.
+EVENT_LOG_LEVELS = {
+    "connect": logging.DEBUG,
+    "disconnect": logging.DEBUG,
+    "takeover": logging.INFO,
+    "protocol_error": logging.INFO,
+    "drop": logging.INFO,
+}
+
+DEFAULT_TICK_INTERVAL = 0.1
+
+
+cdef uint64_t monotonic_now_ms() noexcept nogil:
+    cdef timespec now
+    clock_gettime(CLOCK_MONOTONIC, &now)
+    return <uint64_t>now.tv_sec * 1000 + <uint64_t>(now.tv_nsec // 1000000)
+
+
+def monotonic_ms():
+    """Milliseconds on the clock the engine is fed with (CLOCK_MONOTONIC)."""
+    return monotonic_now_ms()
+
+
+@cython.final
+cdef class Server:
+    """Owns the engine's connections on one event loop and moves the engine's output to them."""
+
+    def __init__(self, engine, loop, Py_ssize_t write_buffer_high,
+                 double tick_interval=DEFAULT_TICK_INTERVAL):
+        self.engine = engine
+        self.loop = loop
+        self.connections = []
+        self.flush_scheduled = False
+        self.write_buffer_high = write_buffer_high
+        self.tick_interval = tick_interval
+        self.tick_handle = None
+        self.engine_feed = engine.feed
+        self.engine_drain = engine.drain
+        self.loop_call_soon = loop.call_soon
+        self.flush_callback = self.flush
+
+    def new_connection(self):
+        """Protocol factory for ``loop.create_server``."""
+        return Connection(self)
+
+    @property
+    def open_connections(self):
+        cdef Py_ssize_t count = 0
+        for connection in self.connections:
+            if connection is not None:
+                count += 1
+        return count
+
+    cpdef schedule_flush(self):
+        """Flushes once at the end of this loop iteration, however many reads happen in it."""
+        if not self.flush_scheduled:
+            self.flush_scheduled = True
+            self.loop_call_soon(self.flush_callback)
+
+    cpdef flush(self):
+        """Writes the engine's output and closes the connections it asks to close."""
+        cdef list connections = self.connections
+        cdef Py_ssize_t conn_id
+        cdef Connection connection
+        self.flush_scheduled = False
+        for conn_id, data, close in self.engine_drain():
+            if conn_id < 0 or conn_id >= len(connections):
+                continue
+            entry = connections[conn_id]
+            if entry is None:
+                # Already gone; the engine has been told via connection_lost.
+                continue
+            connection = <Connection>entry
+            try:
+                if data:
+                    connection.transport.write(data)
+                if close:
+                    # close() still sends what write() buffered.
+                    connection.transport.close()
+            except Exception:
+                logger.exception("writing to connection %d failed; aborting it", conn_id)
+                connection.transport.abort()
+
+    def start_ticking(self):
+        """Starts the periodic ``engine.tick`` (timeouts, expiry) and event logging."""
+        if self.tick_handle is None:
+            self.tick_handle = self.loop.call_later(self.tick_interval, self.on_tick)
+
+    def stop_ticking(self):
+        if self.tick_handle is not None:
+            self.tick_handle.cancel()
+            self.tick_handle = None
+
+    def on_tick(self):
+        # Rescheduled first so one failing tick does not stop timeouts for good.
+        self.tick_handle = self.loop.call_later(self.tick_interval, self.on_tick)
+        self.engine.tick(monotonic_now_ms())
+        self.log_engine_events()
+        if self.engine.has_output():
+            self.flush()
+
+    def close_connections(self):
+        """Sends pending output, then closes every connection (each still gets connection_lost)."""
+        self.flush()
+        for connection in list(self.connections):
+            if connection is not None and (<Connection>connection).transport is not None:
+                (<Connection>connection).transport.close()
+
+    def abort_connections(self):
+        """Drops every connection without waiting for its write buffer to drain."""
+        for connection in list(self.connections):
+            if connection is not None and (<Connection>connection).transport is not None:
+                (<Connection>connection).transport.abort()
+
+    cdef register(self, Connection connection):
+        cdef list connections = self.connections
+        cdef Py_ssize_t conn_id = connection.conn_id
+        while len(connections) <= conn_id:
+            connections.append(None)
+        if connections[conn_id] is not None:
+            logger.error("engine reused live connection id %d", conn_id)
+        connections[conn_id] = connection
+
+    cdef unregister(self, Py_ssize_t conn_id):
+        if 0 <= conn_id < len(self.connections):
+            self.connections[conn_id] = None
+
+    cdef log_engine_events(self):
+        # Drained even when nothing is logged, so the engine's event buffer stays bounded.
+        events = self.engine.events()
+        for kind, client_id, detail in events:
+            level = EVENT_LOG_LEVELS.get(kind, logging.INFO)
+            if event_logger.isEnabledFor(level):
+                event_logger.log(level, "%s client_id=%r %s", kind, client_id, detail)
+
+
+@cython.final
+cdef class Connection:
+    """asyncio.Protocol for one MQTT network connection."""
+
+    def __cinit__(self, Server server):
+        self.server = server
+        self.conn_id = -1
+        self.transport = None
+
+    def connection_made(self, transport):
+        self.transport = transport
+        transport.set_write_buffer_limits(high=self.server.write_buffer_high)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                # MQTT acks and small publishes must not wait on Nagle's algorithm.
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        self.conn_id = self.server.engine.open(monotonic_now_ms())
+        self.server.register(self)
+        # A connect timeout or similar may already have output; cheap when there is none.
+        self.server.schedule_flush()
+
+    def data_received(self, data):
+        cdef Server server = self.server
+        server.engine_feed(self.conn_id, data, monotonic_now_ms())
+        if not server.flush_scheduled:
+            server.flush_scheduled = True
+            server.loop_call_soon(server.flush_callback)
+
+    def eof_received(self):
+        # MQTT has no use for half-open connections: let the transport close.
+        return False
+
+    def connection_lost(self, exc):
+        cdef Server server = self.server
+        cdef Py_ssize_t conn_id = self.conn_id
+        self.transport = None
+        if conn_id < 0:
+            return
+        self.conn_id = -1
+        server.unregister(conn_id)
+        server.engine.closed(conn_id, monotonic_now_ms())
+        # Closing may publish a will message or end a takeover: others may have output now.
+        server.schedule_flush()
+
+    def pause_writing(self):
+        if self.conn_id >= 0:
+            self.server.engine.set_writable(self.conn_id, False, monotonic_now_ms())
+
+    def resume_writing(self):
+        if self.conn_id >= 0:
+            self.server.engine.set_writable(self.conn_id, True, monotonic_now_ms())
+            # The engine held this connection's output back; send it now.
+            self.server.schedule_flush()

@@ -1,0 +1,120 @@
+"""Startup and shutdown: the engine, the listener, $SYS, signals, on asyncio + uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+import fastbroker_core
+import uvloop
+
+from fastbroker import __version__
+from fastbroker._connection import Server
+from fastbroker.config import Config, ConfigError
+from fastbroker.sys_topics import SysTopicPublisher
+
+logger = logging.getLogger("fastbroker.server")
+
+# Large enough that connection bursts (reconnect storms, load tests) are not refused.
+LISTEN_BACKLOG = 4096
+# How long clients get to take their last bytes at shutdown before they are cut off.
+SHUTDOWN_GRACE_S = 2.0
+
+
+class StartupError(Exception):
+    """The broker cannot start (listener, data directory); described in one line."""
+
+
+def configure_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def engine_config(config: Config) -> dict[str, Any]:
+    """The [mqtt] table as the engine's config, plus the version it reports."""
+    return {**config.mqtt, "version": __version__}
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def os_error_reason(error: OSError) -> str:
+    """The short lowercase cause, e.g. 'address already in use'."""
+    if isinstance(error, socket.gaierror):
+        return str(error.strerror).lower()
+    if error.errno is not None and error.errno > 0:
+        return os.strerror(error.errno).lower()
+    return str(error)
+
+
+def run(config: Config) -> None:
+    """Runs the broker until SIGTERM or SIGINT. Raises ConfigError or StartupError."""
+    configure_logging(config.log.level)
+    try:
+        engine = fastbroker_core.Engine(engine_config(config))
+    except ValueError as error:
+        raise ConfigError(f"{config.source or '<defaults>'}: [mqtt] {error}") from None
+    data_dir = config.storage.data_dir
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+    except OSError as error:
+        reason = os_error_reason(error)
+        raise StartupError(f"cannot create data directory {data_dir}: {reason}") from None
+    uvloop.run(serve(config, engine))
+
+
+async def serve(config: Config, engine: Any) -> None:
+    loop = asyncio.get_running_loop()
+    host, port = config.listener.host, config.listener.port
+    server = Server(engine, loop, config.listener.write_buffer_high)
+    try:
+        listener = await loop.create_server(
+            server.new_connection, host, port, backlog=LISTEN_BACKLOG
+        )
+    except OSError as error:
+        address = format_address(host, port)
+        raise StartupError(f"cannot listen on {address}: {os_error_reason(error)}") from None
+
+    stop_requested = asyncio.Event()
+    # Installed before the "listening" line, so a signal sent on seeing it is always handled.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop_requested.set)
+
+    server.start_ticking()
+    sys_topics = SysTopicPublisher(engine, server, loop, config.sys.interval, __version__)
+    sys_topics.start()
+
+    bound_port = listener.sockets[0].getsockname()[1] if listener.sockets else port
+    logger.info("fastbroker %s listening on %s", __version__, format_address(host, bound_port))
+
+    await stop_requested.wait()
+    logger.info("shutting down")
+    listener.close()
+    sys_topics.stop()
+    await close_connections(server)
+    server.stop_ticking()
+    await listener.wait_closed()
+    logger.info("stopped")
+
+
+async def close_connections(server: Server) -> None:
+    """Closes every connection, waiting up to SHUTDOWN_GRACE_S for their buffers to drain."""
+    server.close_connections()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SHUTDOWN_GRACE_S
+    while server.open_connections and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+    if server.open_connections:
+        logger.warning("aborting %d connections that did not close", server.open_connections)
+        server.abort_connections()
+        # Lets the transports deliver connection_lost, which tells the engine.
+        await asyncio.sleep(0)
