@@ -5,10 +5,10 @@
 //! - `broker`: the sans-I/O broker engine (sessions, routing, QoS flows).
 //! - `py`: the PyO3 module `fastbroker_core` (feature `python`).
 
-pub mod codec;
-pub mod topics;
 pub mod broker;
+pub mod codec;
 #[cfg(feature = "python")]
 mod py;
 #[cfg(feature = "python")]
 mod py_codec;
+pub mod topics;

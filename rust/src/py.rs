@@ -26,7 +26,9 @@ fn config_value(key: &str, v: &Bound<'_, PyAny>) -> PyResult<Value> {
     } else if let Ok(items) = v.extract::<Vec<String>>() {
         Ok(Value::List(items))
     } else {
-        Err(PyValueError::new_err(format!("{key}: unsupported value type")))
+        Err(PyValueError::new_err(format!(
+            "{key}: unsupported value type"
+        )))
     }
 }
 
@@ -76,9 +78,12 @@ impl PyEngine {
         retain: bool,
         now_ms: u64,
     ) -> PyResult<()> {
-        let qos = QoS::from_u8(qos).ok_or_else(|| PyValueError::new_err("qos must be 0, 1 or 2"))?;
+        let qos =
+            QoS::from_u8(qos).ok_or_else(|| PyValueError::new_err("qos must be 0, 1 or 2"))?;
         if !crate::topics::valid_topic_name(topic.as_bytes()) {
-            return Err(PyValueError::new_err(format!("invalid topic name {topic:?}")));
+            return Err(PyValueError::new_err(format!(
+                "invalid topic name {topic:?}"
+            )));
         }
         self.inner.publish(topic, payload, qos, retain, now_ms);
         Ok(())

@@ -44,33 +44,33 @@ impl QoS {
 /// is checked by the codec on decode; encode writes whatever is set.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Properties {
-    pub payload_format_indicator: Option<u8>,      // 0x01
-    pub message_expiry_interval: Option<u32>,      // 0x02
-    pub content_type: Option<String>,              // 0x03
-    pub response_topic: Option<String>,            // 0x08
-    pub correlation_data: Option<Bytes>,           // 0x09
-    pub subscription_identifiers: Vec<u32>,        // 0x0B (several only in PUBLISH to a client)
-    pub session_expiry_interval: Option<u32>,      // 0x11
-    pub assigned_client_identifier: Option<String>, // 0x12
-    pub server_keep_alive: Option<u16>,            // 0x13
-    pub authentication_method: Option<String>,     // 0x15
-    pub authentication_data: Option<Bytes>,        // 0x16
-    pub request_problem_information: Option<u8>,   // 0x17
-    pub will_delay_interval: Option<u32>,          // 0x18
-    pub request_response_information: Option<u8>,  // 0x19
-    pub response_information: Option<String>,      // 0x1A
-    pub server_reference: Option<String>,          // 0x1C
-    pub reason_string: Option<String>,             // 0x1F
-    pub receive_maximum: Option<u16>,              // 0x21
-    pub topic_alias_maximum: Option<u16>,          // 0x22
-    pub topic_alias: Option<u16>,                  // 0x23
-    pub maximum_qos: Option<u8>,                   // 0x24
-    pub retain_available: Option<u8>,              // 0x25
-    pub user_properties: Vec<(String, String)>,    // 0x26
-    pub maximum_packet_size: Option<u32>,          // 0x27
-    pub wildcard_subscription_available: Option<u8>, // 0x28
+    pub payload_format_indicator: Option<u8>,          // 0x01
+    pub message_expiry_interval: Option<u32>,          // 0x02
+    pub content_type: Option<String>,                  // 0x03
+    pub response_topic: Option<String>,                // 0x08
+    pub correlation_data: Option<Bytes>,               // 0x09
+    pub subscription_identifiers: Vec<u32>,            // 0x0B (several only in PUBLISH to a client)
+    pub session_expiry_interval: Option<u32>,          // 0x11
+    pub assigned_client_identifier: Option<String>,    // 0x12
+    pub server_keep_alive: Option<u16>,                // 0x13
+    pub authentication_method: Option<String>,         // 0x15
+    pub authentication_data: Option<Bytes>,            // 0x16
+    pub request_problem_information: Option<u8>,       // 0x17
+    pub will_delay_interval: Option<u32>,              // 0x18
+    pub request_response_information: Option<u8>,      // 0x19
+    pub response_information: Option<String>,          // 0x1A
+    pub server_reference: Option<String>,              // 0x1C
+    pub reason_string: Option<String>,                 // 0x1F
+    pub receive_maximum: Option<u16>,                  // 0x21
+    pub topic_alias_maximum: Option<u16>,              // 0x22
+    pub topic_alias: Option<u16>,                      // 0x23
+    pub maximum_qos: Option<u8>,                       // 0x24
+    pub retain_available: Option<u8>,                  // 0x25
+    pub user_properties: Vec<(String, String)>,        // 0x26
+    pub maximum_packet_size: Option<u32>,              // 0x27
+    pub wildcard_subscription_available: Option<u8>,   // 0x28
     pub subscription_identifier_available: Option<u8>, // 0x29
-    pub shared_subscription_available: Option<u8>, // 0x2A
+    pub shared_subscription_available: Option<u8>,     // 0x2A
 }
 
 impl Properties {
