@@ -1,14 +1,19 @@
 """Compiled data plane of fastbroker: MQTT codec and broker engine (Rust, PyO3)."""
 
-from typing import Any
+from typing import Any, final
 
 __version__: str
 
 class CodecError(ValueError):
-    """The byte stream is not valid MQTT; ``reason_code`` is the MQTT 5 reason code."""
+    """The byte stream is not valid MQTT; ``reason_code`` is the MQTT 5 reason code.
+
+    0x81 malformed packet, 0x82 protocol error, 0x84 unsupported protocol name or level (a
+    CONNECT), 0x90 topic name with a wildcard, 0x95 packet larger than ``max_packet_size``.
+    """
 
     reason_code: int
 
+@final
 class Decoder:
     """Incremental MQTT decoder: feed any split of a byte stream, get whole packets.
 
@@ -16,19 +21,66 @@ class Decoder:
     {...}, ...}`` (see ``encode_packet`` for the keys of each type).
     """
 
-    def __init__(self, protocol: int = 5, max_packet_size: int = 268435460) -> None: ...
+    def __new__(cls, protocol: int = 5, max_packet_size: int = 268435460) -> Decoder:
+        """``protocol`` 4 (MQTT 3.1.1) or 5; ``max_packet_size`` bounds a whole packet, fixed
+        header included, and is checked as soon as the fixed header has arrived."""
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         """Appends ``data`` and returns every whole packet now available (may be empty).
 
-        Raises CodecError when the stream is broken. After a CONNECT the decoder switches to
-        that CONNECT's protocol level.
+        Raises CodecError when the stream is broken; packets decoded earlier in the same call
+        are then lost, and every later call raises the same error. After a CONNECT the
+        decoder switches to that CONNECT's protocol level.
         """
     @property
     def buffered(self) -> int:
         """Bytes held waiting for the rest of a packet."""
+    @property
+    def protocol(self) -> int:
+        """The protocol level in use now: 4 or 5."""
 
 def encode_packet(packet: dict[str, Any], protocol: int = 5) -> bytes:
-    """Encodes one packet dict (as returned by ``Decoder.feed``) for protocol 4 or 5."""
+    """Encodes one packet dict (as returned by ``Decoder.feed``) for protocol 4 or 5.
+
+    Raises ValueError for an unknown type or property, a missing required key, a value out of
+    range (QoS 3, ...) or a string longer than 65,535 bytes; TypeError or OverflowError for a
+    value of the wrong type or size. Missing optional keys and ``None`` take the defaults
+    below (in brackets); ``Decoder.feed`` always returns every key.
+
+    ``"type"`` and the other keys per type:
+
+    - ``connect``: protocol (4 or 5) [the ``protocol`` argument: a CONNECT is encoded with its
+      own level], clean_start [True], keep_alive [0], client_id [""], will (None or dict:
+      topic, payload [b""], qos [0], retain [False], properties [{}]), username (str | None),
+      password (bytes | None), properties.
+    - ``connack``: session_present [False], reason_code [0], properties. reason_code is the
+      MQTT 5 code for both versions: for 3.1.1 it is mapped to return codes 0..5 on encode
+      and back (0x84, 0x85, 0x88, 0x86, 0x87 for 1..5) on decode.
+    - ``publish``: dup [False], qos [0], retain [False], topic (str; bytes also accepted on
+      encode; "" with a topic_alias property in MQTT 5), pkid (required for QoS 1 and 2, 0 for
+      QoS 0), properties, payload (bytes) [b""]. DUP is never written for QoS 0.
+    - ``puback``, ``pubrec``, ``pubrel``, ``pubcomp``: pkid, reason_code [0], properties. MQTT
+      5 uses the short forms when reason_code is 0 and there are no properties.
+    - ``subscribe``: pkid, filters (list of dicts: filter, qos [0], no_local [False],
+      retain_as_published [False], retain_handling 0..2 [0]), properties.
+    - ``suback``: pkid, reason_codes (list of int), properties. For 3.1.1 every code >= 0x80
+      is written as 0x80.
+    - ``unsubscribe``: pkid, filters (list of str), properties.
+    - ``unsuback``: pkid, reason_codes (list of int, MQTT 5 only) [[]], properties.
+    - ``pingreq``, ``pingresp``: no other key.
+    - ``disconnect``, ``auth``: reason_code [0], properties. ``auth`` is MQTT 5 only.
+
+    ``properties`` [{}] is a dict keyed by MQTT 5 property name, written only for MQTT 5
+    (always ``{}`` when decoding 3.1.1); absent properties are left out. Ints:
+    payload_format_indicator, message_expiry_interval, session_expiry_interval,
+    server_keep_alive, request_problem_information, will_delay_interval,
+    request_response_information, receive_maximum, topic_alias_maximum, topic_alias,
+    maximum_qos, retain_available, maximum_packet_size, wildcard_subscription_available,
+    subscription_identifier_available, shared_subscription_available. Strings: content_type,
+    response_topic, assigned_client_identifier, authentication_method,
+    response_information, server_reference, reason_string. Bytes: correlation_data,
+    authentication_data. Lists: subscription_identifiers (list of int), user_properties
+    (list of ``[key, value]`` string pairs, in order, repeats allowed).
+    """
 
 class Engine:
     """The broker: sessions, subscriptions, retained messages, QoS flows, all in Rust.

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::state::{ConnState, InflightState, Session, SessionId};
+use super::state::{AwaitingAck, ConnState, Session, SessionId};
 use super::{ConnId, Engine};
 use crate::codec::{ConnAck, Connect, DecodeError, Packet, Properties, Protocol};
 use crate::topics;
@@ -244,7 +244,7 @@ impl Engine {
         let inflight = std::mem::take(&mut session.inflight);
         for f in inflight.iter() {
             match f.state {
-                InflightState::AwaitPubComp => {
+                AwaitingAck::PubComp => {
                     self.send(id, &Packet::PubRel(Engine::ack(f.pkid, 0)));
                 }
                 _ => {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::state::{ConnState, Delivery, Inflight, InflightState, Message, SessionId};
+use super::state::{AwaitingAck, ConnState, Delivery, Inflight, Message, SessionId};
 use super::{ConnId, Engine};
 use crate::codec::{Ack, Packet, Properties, Protocol, Publish, QoS};
 use crate::topics::SubOpts;
@@ -54,7 +54,8 @@ impl Engine {
                     None => return self.close(id, Some(0x82), "unknown topic alias", true, now),
                 }
             } else {
-                conn.in_aliases.insert(alias, Bytes::copy_from_slice(&p.topic));
+                conn.in_aliases
+                    .insert(alias, Bytes::copy_from_slice(&p.topic));
             }
         } else if p.topic.is_empty() {
             return self.close(id, Some(0x82), "empty topic without alias", true, now);
@@ -110,11 +111,11 @@ impl Engine {
     }
 
     pub(super) fn handle_puback(&mut self, id: ConnId, ack: Ack, now: u64) {
-        self.complete(id, ack.pkid, InflightState::AwaitPubAck, now);
+        self.complete(id, ack.pkid, AwaitingAck::PubAck, now);
     }
 
     pub(super) fn handle_pubcomp(&mut self, id: ConnId, ack: Ack, now: u64) {
-        self.complete(id, ack.pkid, InflightState::AwaitPubComp, now);
+        self.complete(id, ack.pkid, AwaitingAck::PubComp, now);
     }
 
     pub(super) fn handle_pubrec(&mut self, id: ConnId, ack: Ack, now: u64) {
@@ -125,7 +126,7 @@ impl Engine {
         let pos = session
             .inflight
             .iter()
-            .position(|f| f.pkid == ack.pkid && f.state == InflightState::AwaitPubRec);
+            .position(|f| f.pkid == ack.pkid && f.state == AwaitingAck::PubRec);
         match pos {
             Some(i) if ack.reason_code >= 0x80 => {
                 // The receiver refused it: the exchange ends here (MQTT 5 4.3.3).
@@ -133,14 +134,14 @@ impl Engine {
                 self.pump(sid, now);
             }
             Some(i) => {
-                session.inflight[i].state = InflightState::AwaitPubComp;
+                session.inflight[i].state = AwaitingAck::PubComp;
                 self.send(id, &Packet::PubRel(Engine::ack(ack.pkid, 0)));
             }
             None => {
                 let code = if session
                     .inflight
                     .iter()
-                    .any(|f| f.pkid == ack.pkid && f.state == InflightState::AwaitPubComp)
+                    .any(|f| f.pkid == ack.pkid && f.state == AwaitingAck::PubComp)
                 {
                     0
                 } else {
@@ -152,7 +153,7 @@ impl Engine {
     }
 
     /// Ends the in-flight exchange `pkid` awaiting `state`, then sends what was waiting.
-    fn complete(&mut self, id: ConnId, pkid: u16, state: InflightState, now: u64) {
+    fn complete(&mut self, id: ConnId, pkid: u16, state: AwaitingAck, now: u64) {
         let Some(sid) = self.conn(id).and_then(|c| c.session) else {
             return;
         };
@@ -357,9 +358,9 @@ impl Engine {
         }
         if d.qos != QoS::AtMostOnce {
             let state = if d.qos == QoS::AtLeastOnce {
-                InflightState::AwaitPubAck
+                AwaitingAck::PubAck
             } else {
-                InflightState::AwaitPubRec
+                AwaitingAck::PubRec
             };
             self.session_mut(sid)
                 .expect("exists")

@@ -48,19 +48,21 @@ pub struct Delivery {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum InflightState {
+// Variants are named after the MQTT packets awaited.
+#[allow(clippy::enum_variant_names)]
+pub enum AwaitingAck {
     /// QoS 1 sent, waiting for PUBACK.
-    AwaitPubAck,
+    PubAck,
     /// QoS 2 sent, waiting for PUBREC.
-    AwaitPubRec,
+    PubRec,
     /// PUBREL sent, waiting for PUBCOMP.
-    AwaitPubComp,
+    PubComp,
 }
 
 #[derive(Debug)]
 pub struct Inflight {
     pub pkid: u16,
-    pub state: InflightState,
+    pub state: AwaitingAck,
     pub delivery: Delivery,
 }
 

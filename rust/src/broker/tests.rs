@@ -186,11 +186,15 @@ fn qos0_batch_of_publishes_in_one_feed_reaches_subscriber() {
 fn overlapping_subscriptions_give_one_copy_at_highest_qos_with_all_identifiers() {
     let mut h = Harness::new();
     let sub = h.connect("sub", Protocol::V5, true);
-    let mut p1 = Properties::default();
-    p1.subscription_identifiers = vec![1];
+    let p1 = Properties {
+        subscription_identifiers: vec![1],
+        ..Default::default()
+    };
     h.subscribe_with(sub, "a/#", QoS::AtMostOnce, p1);
-    let mut p2 = Properties::default();
-    p2.subscription_identifiers = vec![2];
+    let p2 = Properties {
+        subscription_identifiers: vec![2],
+        ..Default::default()
+    };
     h.subscribe_with(sub, "a/+", QoS::AtLeastOnce, p2);
     let publ = h.connect("pub", Protocol::V5, true);
     h.publish(publ, "a/b", "hi", QoS::ExactlyOnce, false);
@@ -354,8 +358,10 @@ fn will_delay_waits_and_is_cancelled_by_resume() {
     let mut h = Harness::new();
     let sub = h.connect("sub", Protocol::V5, true);
     h.subscribe(sub, "w", QoS::AtMostOnce);
-    let mut will_props = Properties::default();
-    will_props.will_delay_interval = Some(5);
+    let will_props = Properties {
+        will_delay_interval: Some(5),
+        ..Default::default()
+    };
     let mut c = connect("d", Protocol::V5, false);
     c.properties.session_expiry_interval = Some(100);
     c.will = Some(LastWill {
@@ -369,7 +375,7 @@ fn will_delay_waits_and_is_cancelled_by_resume() {
     h.e.closed(a, h.now);
     h.now += 3000;
     h.e.tick(h.now);
-    assert!(h.recv().get(&sub).is_none(), "not before the delay");
+    assert!(!h.recv().contains_key(&sub), "not before the delay");
     h.now += 3000;
     h.e.tick(h.now);
     assert_eq!(publishes(&h.recv_one(sub)).len(), 1, "after the delay");
@@ -381,7 +387,7 @@ fn will_delay_waits_and_is_cancelled_by_resume() {
     let _ = h.connect_with(c);
     h.now += 10_000;
     h.e.tick(h.now);
-    assert!(h.recv().get(&sub).is_none());
+    assert!(!h.recv().contains_key(&sub));
 }
 
 #[test]
@@ -530,7 +536,7 @@ fn slow_consumer_queue_is_bounded() {
     for _ in 0..100 {
         h.publish(publ, "f", "x", QoS::AtMostOnce, false);
     }
-    assert!(h.recv().get(&sub).is_none());
+    assert!(!h.recv().contains_key(&sub));
     assert_eq!(h.e.queued_count(), 10);
     h.e.set_writable(sub, true, h.now);
     assert_eq!(publishes(&h.recv_one(sub)).len(), 10);
@@ -542,7 +548,7 @@ fn packet_before_connect_closes_silently() {
     let id = h.e.open(h.now);
     h.protocols.insert(id, Protocol::V311);
     h.send(id, Packet::PingReq);
-    assert!(h.recv().get(&id).is_none());
+    assert!(!h.recv().contains_key(&id));
     assert!(h.closed.contains(&id));
 }
 

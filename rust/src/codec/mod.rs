@@ -1,7 +1,15 @@
 //! Sans-I/O MQTT 3.1.1 / 5.0 codec: bytes in, packets out (or "need more bytes"); packets in,
 //! bytes out. No sockets, no clocks, no broker state.
+//!
+//! `decode.rs` and `encode.rs` hold the two directions, `props.rs` the MQTT 5 properties
+//! (identifiers, which packet types may carry which, value checks, wire form).
 
+mod decode;
+mod encode;
 pub mod packet;
+mod props;
+#[cfg(test)]
+mod tests;
 
 pub use packet::*;
 
@@ -12,9 +20,10 @@ use bytes::BytesMut;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DecodeError {
     /// 0x81: bad remaining length, reserved flag bits, truncated or overlong fields, invalid
-    /// UTF-8 or U+0000 in a string, QoS 3, unknown packet type...
+    /// UTF-8 or U+0000 in a string, QoS 3, unknown packet type, a property not allowed in
+    /// the packet type...
     Malformed(&'static str),
-    /// 0x82: duplicate property, property not allowed in this packet type, packet id 0,
+    /// 0x82: duplicate property, packet id 0,
     /// a packet type the receiver must never get...
     Protocol(&'static str),
     /// 0x95: the fixed header announces a packet larger than the allowed maximum.
@@ -59,15 +68,18 @@ pub fn decode(
     protocol: Protocol,
     max_packet_size: usize,
 ) -> Result<Option<Packet>, DecodeError> {
-    let _ = (buf, protocol, max_packet_size);
-    todo!("codec helper")
+    decode::decode(buf, protocol, max_packet_size)
 }
 
 /// Appends the encoding of `packet` for `protocol` to `out`. Properties are written only for
 /// MQTT 5. A CONNACK's 5.0 reason code is mapped to the 3.1.1 return code for 3.1.1.
+///
+/// A CONNECT is written with its own `protocol` field. A QoS 0 PUBLISH never carries DUP. In
+/// 3.1.1, SUBACK codes >= 0x80 become 0x80 and ack/DISCONNECT reason codes are dropped. MQTT 5
+/// acks, DISCONNECT and AUTH use the short forms when the reason code is 0 and there are no
+/// properties. On error nothing is appended.
 pub fn encode(packet: &Packet, protocol: Protocol, out: &mut Vec<u8>) -> Result<(), EncodeError> {
-    let _ = (packet, protocol, out);
-    todo!("codec helper")
+    encode::encode(packet, protocol, out)
 }
 
 /// Maps an MQTT 5 CONNACK reason code to the nearest MQTT 3.1.1 return code (0..5).
