@@ -82,6 +82,7 @@ def encode_packet(packet: dict[str, Any], protocol: int = 5) -> bytes:
     (list of ``[key, value]`` string pairs, in order, repeats allowed).
     """
 
+@final
 class Engine:
     """The broker: sessions, subscriptions, retained messages, QoS flows, all in Rust.
 
@@ -91,7 +92,7 @@ class Engine:
     the bytes given, however many PUBLISH packets they hold.
     """
 
-    def __init__(self, config: dict[str, Any] | None = None) -> None:
+    def __new__(cls, config: dict[str, Any] | None = None) -> Engine:
         """``config`` keys (all optional): max_packet_size, max_keepalive, receive_maximum,
         max_inflight, max_queued_messages, max_queued_bytes, topic_alias_maximum,
         outgoing_topic_aliases, maximum_qos, retain_available, max_session_expiry,
@@ -108,9 +109,7 @@ class Engine:
     def tick(self, now_ms: int) -> None:
         """Time passes: keepalive and connect timeouts, will delays, session and message
         expiry."""
-    def publish(
-        self, topic: str, payload: bytes, qos: int, retain: bool, now_ms: int
-    ) -> None:
+    def publish(self, topic: str, payload: bytes, qos: int, retain: bool, now_ms: int) -> None:
         """Publishes a message from the broker itself (for example ``$SYS`` topics)."""
     def has_output(self) -> bool:
         """Whether ``drain`` has anything to return."""

@@ -449,12 +449,11 @@ MALFORMED = [
     pytest.param(pkt(0x40, b"\x00\x00"), 5, 0x82, id="puback-pkid-0"),
     pytest.param(pkt(0x82, b"\x00\x01\x00"), 5, 0x82, id="subscribe-no-filters"),
     pytest.param(pkt(0xA2, b"\x00\x01"), 4, 0x82, id="unsubscribe-no-filters"),
-    pytest.param(pkt(0x82, b"\x00\x01\x00" + s(b"a") + b"\x30"), 5, 0x81, id="retain-handling-3"),
+    pytest.param(pkt(0x82, b"\x00\x01\x00" + s(b"a") + b"\x30"), 5, 0x82, id="retain-handling-3"),
     pytest.param(pkt(0x82, b"\x00\x01\x00" + s(b"a") + b"\x40"), 5, 0x81, id="sub-reserved-bits"),
     pytest.param(pkt(0x82, b"\x00\x01" + s(b"a") + b"\x04"), 4, 0x81, id="sub-v311-upper-bits"),
     pytest.param(pkt(0x30, s(b"t") + b"\x04\x01\x00\x01\x01"), 5, 0x82, id="duplicate-property"),
     pytest.param(pkt(0x30, s(b"t") + b"\x02\x01\x02"), 5, 0x82, id="payload-format-2"),
-    pytest.param(pkt(0x30, s(b"t") + b"\x03\x23\x00\x00"), 5, 0x82, id="topic-alias-0"),
     pytest.param(pkt(0x30, s(b"t") + b"\x02\x0b\x00"), 5, 0x82, id="subscription-id-0"),
     pytest.param(pkt(0x30, s(b"t") + b"\x03\x11\x00\x00"), 5, 0x81, id="property-not-allowed"),
     pytest.param(

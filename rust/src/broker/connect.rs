@@ -9,22 +9,28 @@ use crate::codec::{ConnAck, Connect, DecodeError, Packet, Properties, Protocol};
 use crate::topics;
 
 impl Engine {
-    /// A CONNECT that did not decode: the CONNACK code the spec names where there is one.
-    pub(super) fn connect_decode_failed(&mut self, id: ConnId, err: DecodeError) {
-        let Some(conn) = self.conn_mut(id) else {
-            return;
+    /// A CONNECT that did not decode. MQTT 5 clients get CONNACK with the reason code
+    /// (MQTT 5 4.13.1); 3.1.1 ones only hear about an unsupported level (return code 1), any
+    /// other malformed CONNECT is just closed (MQTT-4.8.0-1). An unknown level is answered in
+    /// 3.1.1 form, which any client can read (MQTT-3.1.2-2).
+    pub(super) fn connect_decode_failed(
+        &mut self,
+        id: ConnId,
+        err: DecodeError,
+        level: Option<u8>,
+    ) {
+        let answer = match (level, &err) {
+            (Some(5), _) => Some((Protocol::V5, err.reason_code())),
+            (_, DecodeError::UnsupportedProtocol) => Some((Protocol::V311, 0x84)),
+            _ => None,
         };
-        // The protocol level is unknown or broken: answer in the version a client of that
-        // kind understands. For an unsupported level that is 3.1.1's return code 1 for
-        // old clients and 0x84 for 5.0 ones; we cannot know which, and the spec lets the
-        // server answer 3.1.1 style (MQTT-3.1.2-2), so use 3.1.1 framing.
-        if err == DecodeError::UnsupportedProtocol {
-            conn.protocol = Protocol::V311;
+        if let Some((protocol, reason_code)) = answer {
+            self.conn_mut(id).expect("caller checked").protocol = protocol;
             self.send(
                 id,
                 &Packet::ConnAck(ConnAck {
                     session_present: false,
-                    reason_code: 0x84,
+                    reason_code,
                     properties: Properties::default(),
                 }),
             );

@@ -116,12 +116,18 @@ impl Engine {
                 return;
             }
             let protocol = conn.protocol;
+            // Before CONNECT is decoded, note its level: a bad one is answered in that version.
+            let level = if conn.state == ConnState::AwaitConnect {
+                codec::connect_level(&conn.rx)
+            } else {
+                None
+            };
             let result = codec::decode(&mut conn.rx, protocol, max_packet_size);
             match result {
                 Ok(Some(packet)) => self.handle(id, packet, now),
                 Ok(None) => return,
                 Err(err) => {
-                    self.decode_failed(id, err, now);
+                    self.decode_failed(id, err, level, now);
                     return;
                 }
             }
@@ -331,10 +337,10 @@ impl Engine {
     }
 
     /// The decoder found a broken stream: MQTT 5 gets the reason code, then the close.
-    fn decode_failed(&mut self, id: ConnId, err: codec::DecodeError, now: u64) {
+    fn decode_failed(&mut self, id: ConnId, err: codec::DecodeError, level: Option<u8>, now: u64) {
         let Some(conn) = self.conn(id) else { return };
         if conn.state == ConnState::AwaitConnect {
-            self.connect_decode_failed(id, err);
+            self.connect_decode_failed(id, err, level);
             return;
         }
         let detail = format!("{err:?}");

@@ -42,6 +42,16 @@ impl Engine {
         let conn = self.conn_mut(id).expect("caller checked");
         let v5 = conn.protocol == Protocol::V5;
         let sid = conn.session.expect("active connection has a session");
+        if !p.properties.subscription_identifiers.is_empty() {
+            // MQTT-3.3.4-6: only the server puts subscription identifiers in a PUBLISH.
+            return self.close(
+                id,
+                Some(0x82),
+                "subscription identifier from client",
+                true,
+                now,
+            );
+        }
         // Topic alias (MQTT 5): set or look up, and never forward it.
         if let Some(alias) = p.properties.topic_alias.take() {
             if alias == 0 || alias > self.cfg.topic_alias_maximum {

@@ -441,7 +441,8 @@ fn subscribe(r: &mut Reader<'_>, v5: bool) -> Result<Subscribe> {
         let qos = QoS::from_u8(opts & 3).ok_or(DecodeError::Malformed("subscription QoS 3"))?;
         let retain_handling = opts >> 4 & 3;
         if retain_handling == 3 {
-            return Err(DecodeError::Malformed("retain handling 3"));
+            // MQTT 5 3.8.3.1: "a Protocol Error to send a Retain Handling value of 3".
+            return Err(DecodeError::Protocol("retain handling 3"));
         }
         filters.push(SubscribeFilter {
             filter,

@@ -82,6 +82,27 @@ pub fn encode(packet: &Packet, protocol: Protocol, out: &mut Vec<u8>) -> Result<
     encode::encode(packet, protocol, out)
 }
 
+/// The protocol level of a CONNECT at the front of `buf`, if that much of it has arrived: a
+/// server answers a CONNECT it cannot decode in the client's own protocol version.
+pub fn connect_level(buf: &[u8]) -> Option<u8> {
+    if buf.first()? >> 4 != 1 {
+        return None;
+    }
+    let mut i = 1;
+    loop {
+        let b = *buf.get(i)?;
+        i += 1;
+        if b & 0x80 == 0 {
+            break;
+        }
+        if i == 5 {
+            return None;
+        }
+    }
+    let name_len = usize::from(u16::from_be_bytes([*buf.get(i)?, *buf.get(i + 1)?]));
+    buf.get(i + 2 + name_len).copied()
+}
+
 /// Maps an MQTT 5 CONNACK reason code to the nearest MQTT 3.1.1 return code (0..5).
 pub fn connack_code_v311(reason_v5: u8) -> u8 {
     match reason_v5 {

@@ -179,7 +179,8 @@ pub(super) fn read(r: &mut Reader<'_>, ctx: usize) -> Result<Properties, DecodeE
             REASON_STRING => p.reason_string = Some(r.string()?),
             RECEIVE_MAXIMUM => p.receive_maximum = Some(nonzero_u16(&mut r, "receive maximum 0")?),
             TOPIC_ALIAS_MAXIMUM => p.topic_alias_maximum = Some(r.u16()?),
-            TOPIC_ALIAS => p.topic_alias = Some(nonzero_u16(&mut r, "topic alias 0")?),
+            // Alias 0 decodes: the receiver answers it with 0x94 (topic alias invalid).
+            TOPIC_ALIAS => p.topic_alias = Some(r.u16()?),
             MAXIMUM_QOS => p.maximum_qos = Some(flag(&mut r, "maximum qos")?),
             RETAIN_AVAILABLE => p.retain_available = Some(flag(&mut r, "retain available")?),
             USER_PROPERTY => {
