@@ -77,6 +77,21 @@ impl Engine {
             return self.close(id, Some(0x9A), "retain not supported", true, now);
         }
         self.stats.messages_received += 1;
+        if p.topic.starts_with(b"$SYS") {
+            // Only the broker writes $SYS: acknowledged (0x87 "not authorized" in MQTT 5) and
+            // dropped, so a client cannot fake broker statistics.
+            let code = if v5 { 0x87 } else { 0 };
+            match p.qos {
+                QoS::AtMostOnce => {}
+                QoS::AtLeastOnce => {
+                    self.send(id, &Packet::PubAck(Engine::ack(p.pkid, code)));
+                }
+                QoS::ExactlyOnce => {
+                    self.send(id, &Packet::PubRec(Engine::ack(p.pkid, code)));
+                }
+            }
+            return;
+        }
         match p.qos {
             QoS::AtMostOnce => {
                 self.route(Arc::new(message_of(p, sid, now)), now);
