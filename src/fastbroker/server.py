@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -56,9 +57,21 @@ def os_error_reason(error: OSError) -> str:
     return str(error)
 
 
+def raise_fd_limit() -> None:
+    """Lets the broker hold as many connections as the hard limit allows (the soft limit is
+    often 1024, far below what a broker needs)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as error:
+            logger.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, error)
+
+
 def run(config: Config) -> None:
     """Runs the broker until SIGTERM or SIGINT. Raises ConfigError or StartupError."""
     configure_logging(config.log.level)
+    raise_fd_limit()
     try:
         engine = fastbroker_core.Engine(engine_config(config))
     except ValueError as error:
