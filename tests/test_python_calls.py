@@ -93,7 +93,7 @@ def measure(n_publishes: int) -> tuple[Counter[str], Counter[str]]:
     def profiler(frame, event, arg) -> None:
         # The test's own waiting (asyncio.sleep, threading.Event) is not the broker's work.
         code = frame.f_code
-        if code.co_name == "run" or "asyncio" in code.co_filename or "threading" in code.co_filename:
+        if code.co_name == "run" or any(m in code.co_filename for m in ("asyncio", "threading")):
             return
         if event in ("call", "c_call"):
             name = arg.__qualname__ if event == "c_call" else code.co_name
