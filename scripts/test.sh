@@ -93,8 +93,9 @@ check "stubtest fastbroker_core" \
     python -m mypy.stubtest --allowlist scripts/stubtest-allowlist.txt fastbroker_core
 
 step "pytest"
+# Both brokers are installed above: a missing one is a failure here, never a skip.
 set +e
-python -m pytest tests/ -q -p no:cacheprovider --timeout="$PYTEST_TIMEOUT"
+FASTBROKER_REQUIRED=1 python -m pytest tests/ -q -p no:cacheprovider --timeout="$PYTEST_TIMEOUT"
 pytest_status=$?
 set -e
 case $pytest_status in

@@ -361,7 +361,10 @@ def mosquitto_config(workdir: Path, port: int, options: dict) -> str:
 def start_mosquitto(tmp_path: Path, port: int | None = None, **options) -> BrokerProcess:
     exe = mosquitto_path()
     if exe is None:
-        pytest.skip("mosquitto is not installed (apt-get install -y mosquitto mosquitto-clients)")
+        why = "mosquitto is not installed (apt-get install -y mosquitto mosquitto-clients)"
+        if os.environ.get("FASTBROKER_REQUIRED") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
 
     def once(p: int) -> BrokerProcess:
         workdir = Path(tmp_path) / f"mosquitto-{p}"
