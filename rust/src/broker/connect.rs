@@ -35,11 +35,7 @@ impl Engine {
                 }),
             );
         }
-        let conn = self.conn_mut(id).expect("exists");
-        conn.state = ConnState::Closing;
-        conn.close_after_write = true;
-        conn.rx.clear();
-        self.mark_dirty(id);
+        self.stop_reading_and_close(id);
         self.event(
             "protocol_error",
             Arc::from(""),
@@ -62,11 +58,7 @@ impl Engine {
                 properties,
             }),
         );
-        let conn = self.conn_mut(id).expect("exists");
-        conn.state = ConnState::Closing;
-        conn.close_after_write = true;
-        conn.rx.clear();
-        self.mark_dirty(id);
+        self.stop_reading_and_close(id);
         self.event(
             "connect_refused",
             Arc::from(""),

@@ -329,7 +329,15 @@ impl Engine {
         if !detail.is_empty() {
             self.event("disconnect", client, detail.to_string());
         }
-        let conn = self.conn_mut(id).expect("checked above");
+        self.stop_reading_and_close(id);
+    }
+
+    /// Ignores further input from `id` and asks the caller to close it once its output is
+    /// written.
+    fn stop_reading_and_close(&mut self, id: ConnId) {
+        let Some(conn) = self.conn_mut(id) else {
+            return;
+        };
         conn.state = ConnState::Closing;
         conn.close_after_write = true;
         conn.rx.clear();
