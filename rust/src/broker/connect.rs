@@ -246,7 +246,8 @@ impl Engine {
                     self.send(id, &Packet::PubRel(Engine::ack(f.pkid, 0)));
                 }
                 _ => {
-                    self.send_publish(id, &f.delivery, f.pkid, true, now);
+                    let d = &f.delivery;
+                    self.send_publish(id, &d.msg, d.qos, d.retain, &d.sub_ids, f.pkid, true, now);
                 }
             }
         }

@@ -9,7 +9,7 @@ use bytes::Bytes;
 
 use super::state::{AwaitingAck, ConnState, Delivery, Inflight, Message, SessionId};
 use super::{ConnId, Engine};
-use crate::codec::{Ack, Packet, Properties, Protocol, Publish, QoS};
+use crate::codec::{self, Ack, Packet, Properties, Protocol, Publish, PublishOut, QoS};
 use crate::topics::SubOpts;
 
 /// The properties a message carries to its receivers, or None when there are none (the
@@ -267,42 +267,61 @@ impl Engine {
         }
         let mut count = 0;
         for (sid, opts, ids) in scratch.targets.drain(..) {
-            let delivery = Delivery {
-                qos: msg.qos.min(opts.qos),
-                retain: msg.retain && opts.retain_as_published,
-                sub_ids: ids,
-                msg: msg.clone(),
-            };
-            self.deliver(sid, delivery, now);
+            let qos = msg.qos.min(opts.qos);
+            let retain = msg.retain && opts.retain_as_published;
+            self.deliver(sid, &msg, qos, retain, ids, now);
             count += 1;
         }
         self.scratch = scratch;
         count
     }
 
-    /// Sends `d` to session `sid` now if it can go, else queues it (bounded).
-    pub(super) fn deliver(&mut self, sid: SessionId, d: Delivery, now: u64) {
+    /// Sends `msg` to session `sid` now if it can go, else queues it (bounded). A QoS 0
+    /// message that goes now is encoded straight from the shared message.
+    pub(super) fn deliver(
+        &mut self,
+        sid: SessionId,
+        msg: &Arc<Message>,
+        qos: QoS,
+        retain: bool,
+        sub_ids: Vec<u32>,
+        now: u64,
+    ) {
         let window = self.window(sid);
-        let Some(session) = self.session_mut(sid) else {
+        let Some(session) = self.session(sid) else {
             return;
         };
         let conn = session.conn;
         let can_send = match (conn, window) {
             (Some(_), Some(free)) => {
-                session.queue.is_empty() && (d.qos == QoS::AtMostOnce || free > 0)
+                session.queue.is_empty() && (qos == QoS::AtMostOnce || free > 0)
             }
             _ => false,
         };
-        if can_send {
+        if can_send && qos == QoS::AtMostOnce {
             let cid = conn.expect("checked");
-            self.transmit(sid, cid, d, now);
+            if !msg.expired(now)
+                && !self.send_publish(cid, msg, qos, retain, &sub_ids, 0, false, now)
+            {
+                self.stats.publish_dropped += 1;
+            }
             return;
         }
-        if conn.is_none() && d.qos == QoS::AtMostOnce {
+        if conn.is_none() && qos == QoS::AtMostOnce {
             // Offline sessions keep QoS 1/2 only (MQTT 3.1.1 4.4, like Mosquitto's default).
             return;
         }
-        self.enqueue(sid, d);
+        let d = Delivery {
+            msg: msg.clone(),
+            qos,
+            retain,
+            sub_ids,
+        };
+        if can_send {
+            self.transmit(sid, conn.expect("checked"), d, now);
+        } else {
+            self.enqueue(sid, d);
+        }
     }
 
     /// Free in-flight slots when `sid`'s connection may be written to now, else None.
@@ -376,7 +395,7 @@ impl Engine {
         } else {
             self.session_mut(sid).expect("exists").alloc_pkid()
         };
-        if !self.send_publish(cid, &d, pkid, false, now) {
+        if !self.send_publish(cid, &d.msg, d.qos, d.retain, &d.sub_ids, pkid, false, now) {
             // Too large for this client: dropped as if delivered (MQTT-3.1.2-25).
             self.stats.publish_dropped += 1;
             return;
@@ -398,72 +417,73 @@ impl Engine {
         }
     }
 
-    /// Encodes one PUBLISH of `d` onto `cid`'s output, with this connection's topic alias
+    /// Encodes one PUBLISH of `msg` onto `cid`'s output, with this connection's topic alias
     /// and the remaining expiry. Returns false if it exceeds the client's maximum size.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn send_publish(
         &mut self,
         cid: ConnId,
-        d: &Delivery,
+        msg: &Message,
+        qos: QoS,
+        retain: bool,
+        sub_ids: &[u32],
         pkid: u16,
         dup: bool,
         now: u64,
     ) -> bool {
         let alias_enabled = self.cfg.outgoing_topic_aliases;
-        let Some(conn) = self.conn_mut(cid) else {
+        let Some(conn) = self.conns.get_mut(cid as usize).and_then(|c| c.as_mut()) else {
             return false;
         };
-        let msg = &d.msg;
-        let mut properties = match &msg.props {
-            Some(p) => (**p).clone(),
-            None => Properties::default(),
-        };
-        let mut topic = msg.topic.clone();
-        if conn.protocol == Protocol::V5 {
-            if let Some(at) = msg.expires_at {
-                // Remaining whole seconds, rounded up so a live message never says 0.
-                properties.message_expiry_interval =
-                    Some(at.saturating_sub(now).div_ceil(1000) as u32);
-            }
-            properties.subscription_identifiers = d.sub_ids.clone();
-            if alias_enabled && conn.client_topic_alias_max > 0 {
-                match conn.out_aliases.get(&msg.topic) {
-                    Some(&alias) => {
-                        properties.topic_alias = Some(alias);
-                        topic = Bytes::new();
-                    }
-                    None => {
-                        let next = conn.out_aliases.len() as u16 + 1;
-                        if next <= conn.client_topic_alias_max {
-                            conn.out_aliases.insert(msg.topic.clone(), next);
-                            properties.topic_alias = Some(next);
-                        }
+        let v5 = conn.protocol == Protocol::V5;
+        let mut topic: &[u8] = &msg.topic;
+        let mut alias = None;
+        let mut new_alias = false;
+        if v5 && alias_enabled && conn.client_topic_alias_max > 0 {
+            match conn.out_aliases.get(&msg.topic) {
+                Some(&a) => {
+                    alias = Some(a);
+                    topic = b"";
+                }
+                None => {
+                    let next = conn.out_aliases.len() as u16 + 1;
+                    if next <= conn.client_topic_alias_max {
+                        conn.out_aliases.insert(msg.topic.clone(), next);
+                        alias = Some(next);
+                        new_alias = true;
                     }
                 }
             }
         }
-        let packet = Packet::Publish(Publish {
+        let packet = PublishOut {
             dup,
-            qos: d.qos,
-            retain: d.retain,
+            qos,
+            retain,
             topic,
             pkid,
-            properties,
-            payload: msg.payload.clone(),
-        });
-        let ok = self.send(cid, &packet);
-        if ok {
-            self.stats.messages_sent += 1;
-        } else if let (Some(conn), Packet::Publish(p)) = (self.conn_mut(cid), &packet) {
-            // An alias assigned for a message that was not sent must not be assumed known.
-            if !p.topic.is_empty() {
-                if let Some(alias) = p.properties.topic_alias {
-                    if conn.out_aliases.get(&d.msg.topic) == Some(&alias) {
-                        conn.out_aliases.remove(&d.msg.topic);
-                    }
-                }
+            properties: msg.props.as_deref(),
+            // Remaining whole seconds, rounded up so a live message never says 0.
+            message_expiry: msg
+                .expires_at
+                .map(|at| at.saturating_sub(now).div_ceil(1000) as u32),
+            topic_alias: alias,
+            subscription_ids: sub_ids,
+            payload: &msg.payload,
+        };
+        let start = conn.out.len();
+        let fits = codec::encode_publish(&packet, conn.protocol, &mut conn.out).is_ok()
+            && conn.out.len() - start <= conn.client_max_packet;
+        if !fits {
+            conn.out.truncate(start);
+            if new_alias {
+                // An alias assigned for a message that was not sent must not be assumed known.
+                conn.out_aliases.remove(&msg.topic);
             }
+            return false;
         }
-        ok
+        self.stats.messages_sent += 1;
+        self.mark_dirty(cid);
+        true
     }
 }
 

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::state::{Delivery, Message};
+use super::state::Message;
 use super::{ConnId, Engine};
 use crate::codec::{Packet, Properties, Protocol, QoS, SubAck, Subscribe, UnsubAck, Unsubscribe};
 use crate::topics::{self, SubOpts};
@@ -83,18 +83,14 @@ impl Engine {
                 if msg.expired(now) {
                     continue;
                 }
-                let delivery = Delivery {
-                    qos: msg.qos.min(opts.qos),
-                    // Retained messages sent on subscribe always carry the flag (MQTT-3.3.1-8).
-                    retain: true,
-                    sub_ids: if opts.identifier != 0 {
-                        vec![opts.identifier]
-                    } else {
-                        Vec::new()
-                    },
-                    msg,
+                let qos = msg.qos.min(opts.qos);
+                let sub_ids = if opts.identifier != 0 {
+                    vec![opts.identifier]
+                } else {
+                    Vec::new()
                 };
-                self.deliver(sid, delivery, now);
+                // Retained messages sent on subscribe always carry the flag (MQTT-3.3.1-8).
+                self.deliver(sid, &msg, qos, true, sub_ids, now);
             }
         }
     }

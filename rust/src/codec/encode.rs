@@ -120,24 +120,74 @@ pub(super) fn encode(packet: &Packet, protocol: Protocol, out: &mut Vec<u8>) -> 
 
 /// The hot path: once per delivered message.
 fn publish(p: &Publish, v5: bool, out: &mut Vec<u8>) -> Result<()> {
-    let mut remaining = binary_len(&p.topic)
+    publish_out(
+        &PublishOut {
+            dup: p.dup,
+            qos: p.qos,
+            retain: p.retain,
+            topic: &p.topic,
+            pkid: p.pkid,
+            properties: Some(&p.properties),
+            message_expiry: None,
+            topic_alias: None,
+            subscription_ids: &[],
+            payload: &p.payload,
+        },
+        v5,
+        out,
+    )
+}
+
+pub(super) fn publish_out(p: &PublishOut<'_>, v5: bool, out: &mut Vec<u8>) -> Result<()> {
+    let mut remaining = binary_len(p.topic)
         .map_err(|_| EncodeError::TooLong("topic longer than 65,535 bytes"))?
         + p.payload.len();
     if p.qos != QoS::AtMostOnce {
         remaining += 2;
     }
-    let props = props_size(&p.properties, v5)?;
-    remaining += block(props);
+    let mut props = 0;
+    if v5 {
+        if let Some(base) = p.properties {
+            props = props::body_len(base)?;
+        }
+        if p.message_expiry.is_some() {
+            props += 5;
+        }
+        if p.topic_alias.is_some() {
+            props += 3;
+        }
+        for &id in p.subscription_ids {
+            props += 1 + varint_len(id as usize);
+        }
+        remaining += props::block_len(props);
+    }
     // DUP only means something with QoS > 0, and a QoS 0 DUP is malformed.
     let dup = p.dup && p.qos != QoS::AtMostOnce;
     let first = 0x30 | (dup as u8) << 3 | (p.qos as u8) << 1 | p.retain as u8;
     header(out, first, remaining)?;
-    put_str(out, &p.topic);
+    put_str(out, p.topic);
     if p.qos != QoS::AtMostOnce {
         out.extend_from_slice(&p.pkid.to_be_bytes());
     }
-    put_props(out, &p.properties, props);
-    out.extend_from_slice(&p.payload);
+    if v5 {
+        put_varint(out, props);
+        if let Some(base) = p.properties {
+            props::write_body(base, out);
+        }
+        if let Some(e) = p.message_expiry {
+            out.push(props::MESSAGE_EXPIRY_INTERVAL);
+            out.extend_from_slice(&e.to_be_bytes());
+        }
+        if let Some(a) = p.topic_alias {
+            out.push(props::TOPIC_ALIAS);
+            out.extend_from_slice(&a.to_be_bytes());
+        }
+        for &id in p.subscription_ids {
+            out.push(props::SUBSCRIPTION_IDENTIFIER);
+            put_varint(out, id as usize);
+        }
+    }
+    out.extend_from_slice(p.payload);
     Ok(())
 }
 

@@ -82,6 +82,34 @@ pub fn encode(packet: &Packet, protocol: Protocol, out: &mut Vec<u8>) -> Result<
     encode::encode(packet, protocol, out)
 }
 
+/// A PUBLISH to encode from borrowed parts: a broker sends one message to many subscribers,
+/// each with its own packet id, alias, remaining expiry and subscription identifiers, without
+/// building a `Publish` (and cloning its properties) for each.
+pub struct PublishOut<'a> {
+    pub dup: bool,
+    pub qos: QoS,
+    pub retain: bool,
+    /// Empty when `topic_alias` stands in for a topic the receiver already knows.
+    pub topic: &'a [u8],
+    pub pkid: u16,
+    /// Properties forwarded as they are; must not hold the three per-delivery ones below.
+    pub properties: Option<&'a Properties>,
+    pub message_expiry: Option<u32>,
+    pub topic_alias: Option<u16>,
+    pub subscription_ids: &'a [u32],
+    pub payload: &'a [u8],
+}
+
+/// Appends a PUBLISH built from parts; properties are written only for MQTT 5. Encodes the
+/// same bytes as `encode` of the equivalent `Publish`.
+pub fn encode_publish(
+    p: &PublishOut<'_>,
+    protocol: Protocol,
+    out: &mut Vec<u8>,
+) -> Result<(), EncodeError> {
+    encode::publish_out(p, protocol == Protocol::V5, out)
+}
+
 /// The protocol level of a CONNECT at the front of `buf`, if that much of it has arrived: a
 /// server answers a CONNECT it cannot decode in the client's own protocol version.
 pub fn connect_level(buf: &[u8]) -> Option<u8> {

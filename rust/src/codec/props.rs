@@ -272,9 +272,13 @@ pub(super) fn block_len(body: usize) -> usize {
 /// Writes the property block: `body` must be `body_len(p)`.
 pub(super) fn write(p: &Properties, body: usize, out: &mut Vec<u8>) {
     put_varint(out, body);
-    if body == 0 {
-        return;
+    if body != 0 {
+        write_body(p, out);
     }
+}
+
+/// Writes the properties set in `p`, without the length in front.
+pub(super) fn write_body(p: &Properties, out: &mut Vec<u8>) {
     fn byte(out: &mut Vec<u8>, id: u8, v: Option<u8>) {
         if let Some(v) = v {
             out.extend_from_slice(&[id, v]);
