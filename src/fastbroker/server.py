@@ -17,6 +17,7 @@ import uvloop
 from fastbroker import __version__
 from fastbroker._connection import Server
 from fastbroker.config import Config, ConfigError
+from fastbroker.heap import HeapTrimmer
 from fastbroker.sys_topics import SysTopicPublisher
 
 logger = logging.getLogger("fastbroker.server")
@@ -105,6 +106,8 @@ async def serve(config: Config, engine: Any) -> None:
     server.start_ticking()
     sys_topics = SysTopicPublisher(engine, server, loop, config.sys.interval, __version__)
     sys_topics.start()
+    heap_trimmer = HeapTrimmer(loop)
+    heap_trimmer.start()
 
     bound_port = listener.sockets[0].getsockname()[1] if listener.sockets else port
     logger.info("fastbroker %s listening on %s", __version__, format_address(host, bound_port))
@@ -113,6 +116,7 @@ async def serve(config: Config, engine: Any) -> None:
     logger.info("shutting down")
     listener.close()
     sys_topics.stop()
+    heap_trimmer.stop()
     await close_connections(server)
     server.stop_ticking()
     await listener.wait_closed()
