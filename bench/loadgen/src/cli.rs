@@ -1,0 +1,331 @@
+//! Command line: `fastbroker-loadgen <scenario> [--option value | --option=value]...`.
+
+use std::net::Ipv4Addr;
+
+use fastbroker_core::codec::Protocol;
+
+use crate::net;
+
+pub const USAGE: &str = "\
+usage: fastbroker-loadgen <scenario> --host 127.0.0.1 --port P [--duration SECS=5] [--warmup SECS=1]
+                          [--protocol 4|5] [options]
+scenarios (defaults shown):
+  fan-in      --publishers 8 --payload 64 --qos 0    publishers on bench/in/NN -> 1 subscriber on bench/in/+
+  fan-out     --subscribers 50 --payload 64 --qos 0  1 publisher -> N subscribers of bench/out
+  pairs       --pairs 50 --payload 64 --qos 0        N publisher/subscriber pairs on bench/pair/NN
+  qos1        --publishers 8 --inflight 64 --payload 64
+                                                     QoS 1 publishers (up to INFLIGHT unacked each)
+                                                     -> 1 QoS 1 subscriber that PUBACKs every message
+  latency     --rate 5000 --payload 64               1 paced publisher (send time in the payload)
+                                                     -> 1 subscriber; latency percentiles in us
+  connections --count 15000 --sources 127.0.0.2-127.0.0.16 --hold 10 --concurrency 256
+                                                     open COUNT MQTT connections, print {\"ready\": true, ...},
+                                                     hold them HOLD s, close, print the result
+  throughput  --payload 1024 --publishers 1          MB/s of payload, publishers -> 1 subscriber on bench/tp
+  loopback    --payload 65536                        no broker: TCP loopback copy ceiling in MB/s
+other options:
+  --rate R             fan-in/fan-out/pairs/throughput: cap all publishers together at R msg/s
+                       (default 0 = as fast as TCP flow control lets them)
+  --inflight N         QoS 1 window per publisher (fan-in/fan-out/pairs/throughput with --qos 1)
+  --batch BYTES        bytes per write for flooding publishers (default 65536)
+  --rcvlowat BYTES     SO_RCVLOWAT of QoS 0 subscribers outside latency (default 32768, 0 = off):
+                       fewer wake-ups and reads when the broker writes message by message
+  --topic-prefix P     first topic level (default bench)
+  --connect-timeout S  per connection set-up (default 10)
+  --connect-phase-timeout S   connections: stop opening new connections after S (default 120)
+One JSON object is printed on stdout at the end; progress and errors go to stderr.
+Exit status: 0 ok, 1 run failed (refused, connection broken...), 2 usage, 3 connections with errors.";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scenario {
+    FanIn,
+    FanOut,
+    Pairs,
+    Qos1,
+    Latency,
+    Connections,
+    Throughput,
+    Loopback,
+}
+
+impl Scenario {
+    pub fn name(self) -> &'static str {
+        match self {
+            Scenario::FanIn => "fan-in",
+            Scenario::FanOut => "fan-out",
+            Scenario::Pairs => "pairs",
+            Scenario::Qos1 => "qos1",
+            Scenario::Latency => "latency",
+            Scenario::Connections => "connections",
+            Scenario::Throughput => "throughput",
+            Scenario::Loopback => "loopback",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Scenario> {
+        Some(match s {
+            "fan-in" | "fanin" => Scenario::FanIn,
+            "fan-out" | "fanout" => Scenario::FanOut,
+            "pairs" => Scenario::Pairs,
+            "qos1" => Scenario::Qos1,
+            "latency" => Scenario::Latency,
+            "connections" => Scenario::Connections,
+            "throughput" => Scenario::Throughput,
+            "loopback" => Scenario::Loopback,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Opts {
+    pub scenario: Scenario,
+    pub host: String,
+    pub port: u16,
+    pub duration: f64,
+    pub warmup: f64,
+    pub protocol: Protocol,
+    pub payload: usize,
+    pub qos: u8,
+    pub publishers: usize,
+    pub subscribers: usize,
+    pub pairs: usize,
+    pub inflight: usize,
+    pub rate: f64,
+    pub count: usize,
+    pub sources: Vec<Ipv4Addr>,
+    pub sources_spec: String,
+    pub hold: f64,
+    pub concurrency: usize,
+    pub batch: usize,
+    pub rcvlowat: usize,
+    pub topic_prefix: String,
+    pub connect_timeout: f64,
+    pub connect_phase_timeout: f64,
+}
+
+impl Opts {
+    fn defaults(scenario: Scenario) -> Opts {
+        Opts {
+            scenario,
+            host: "127.0.0.1".into(),
+            port: 1883,
+            duration: 5.0,
+            warmup: 1.0,
+            protocol: Protocol::V311,
+            payload: if scenario == Scenario::Loopback {
+                65536
+            } else if scenario == Scenario::Throughput {
+                1024
+            } else {
+                64
+            },
+            qos: if scenario == Scenario::Qos1 { 1 } else { 0 },
+            publishers: match scenario {
+                Scenario::FanIn | Scenario::Qos1 => 8,
+                _ => 1,
+            },
+            subscribers: if scenario == Scenario::FanOut { 50 } else { 1 },
+            pairs: 50,
+            inflight: 64,
+            rate: if scenario == Scenario::Latency {
+                5000.0
+            } else {
+                0.0
+            },
+            count: 15000,
+            sources: Vec::new(),
+            sources_spec: String::new(),
+            hold: 10.0,
+            concurrency: 256,
+            batch: 65536,
+            rcvlowat: 32768,
+            topic_prefix: "bench".into(),
+            connect_timeout: 10.0,
+            connect_phase_timeout: 120.0,
+        }
+    }
+}
+
+fn num<T: std::str::FromStr>(key: &str, v: &str) -> Result<T, String> {
+    v.parse()
+        .map_err(|_| format!("--{key}: cannot parse {v:?}"))
+}
+
+fn secs(key: &str, v: &str) -> Result<f64, String> {
+    let x: f64 = num(key, v)?;
+    if !(0.0..=86_400.0).contains(&x) {
+        return Err(format!(
+            "--{key}: {v} is not a number of seconds in 0..=86400"
+        ));
+    }
+    Ok(x)
+}
+
+pub fn parse(args: &[String]) -> Result<Opts, String> {
+    let mut scenario = None;
+    let mut pairs: Vec<(String, String)> = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == "-h" || a == "--help" {
+            return Err("help".into());
+        }
+        if let Some(opt) = a.strip_prefix("--") {
+            let (k, v) = match opt.split_once('=') {
+                Some((k, v)) => (k.to_string(), v.to_string()),
+                None => (
+                    opt.to_string(),
+                    it.next()
+                        .ok_or_else(|| format!("--{opt} needs a value"))?
+                        .clone(),
+                ),
+            };
+            pairs.push((k, v));
+        } else if scenario.is_none() {
+            scenario = Some(Scenario::parse(a).ok_or_else(|| format!("unknown scenario {a:?}"))?);
+        } else {
+            return Err(format!("unexpected argument {a:?}"));
+        }
+    }
+    let scenario = scenario.ok_or("no scenario given")?;
+    let mut o = Opts::defaults(scenario);
+    for (k, v) in &pairs {
+        let v = v.as_str();
+        match k.as_str() {
+            "host" => o.host = v.to_string(),
+            "port" => o.port = num(k, v)?,
+            "duration" => o.duration = secs(k, v)?,
+            "warmup" => o.warmup = secs(k, v)?,
+            "protocol" => {
+                o.protocol = match v {
+                    "4" | "3.1.1" | "311" | "v311" => Protocol::V311,
+                    "5" | "5.0" | "v5" => Protocol::V5,
+                    _ => return Err(format!("--protocol: {v:?} (use 4 for 3.1.1 or 5)")),
+                }
+            }
+            "payload" => o.payload = num(k, v)?,
+            "qos" => o.qos = num(k, v)?,
+            "publishers" => o.publishers = num(k, v)?,
+            "subscribers" => o.subscribers = num(k, v)?,
+            "pairs" => o.pairs = num(k, v)?,
+            "inflight" => o.inflight = num(k, v)?,
+            "rate" => o.rate = num(k, v)?,
+            "count" => o.count = num(k, v)?,
+            "sources" => {
+                o.sources = net::parse_sources(v)?;
+                o.sources_spec = v.to_string();
+            }
+            "hold" => o.hold = secs(k, v)?,
+            "concurrency" => o.concurrency = num(k, v)?,
+            "batch" => o.batch = num(k, v)?,
+            "rcvlowat" => o.rcvlowat = num(k, v)?,
+            "topic-prefix" => o.topic_prefix = v.to_string(),
+            "connect-timeout" => o.connect_timeout = secs(k, v)?,
+            "connect-phase-timeout" => o.connect_phase_timeout = secs(k, v)?,
+            _ => return Err(format!("unknown option --{k}")),
+        }
+    }
+    validate(&o)?;
+    Ok(o)
+}
+
+fn validate(o: &Opts) -> Result<(), String> {
+    if o.duration <= 0.0 {
+        return Err("--duration must be > 0".into());
+    }
+    if o.qos > 1 {
+        return Err("--qos: only 0 and 1 are supported".into());
+    }
+    if o.scenario == Scenario::Qos1 && o.qos != 1 {
+        return Err("qos1: --qos must be 1".into());
+    }
+    if o.scenario == Scenario::Latency {
+        if o.qos != 0 {
+            return Err("latency: only --qos 0".into());
+        }
+        if o.payload < 8 {
+            return Err("latency: --payload must be >= 8 (it carries the send time)".into());
+        }
+        if !(o.rate > 0.0 && o.rate <= 10_000_000.0) {
+            return Err("latency: --rate must be in (0, 1e7] msg/s".into());
+        }
+    }
+    if !(o.rate >= 0.0 && o.rate.is_finite()) {
+        return Err("--rate must be >= 0".into());
+    }
+    if o.payload > 256 * 1024 * 1024 - 1024 {
+        return Err("--payload too large for one MQTT packet".into());
+    }
+    if o.scenario == Scenario::Loopback && o.payload == 0 {
+        return Err("loopback: --payload must be > 0".into());
+    }
+    for (name, v, max) in [
+        ("publishers", o.publishers, 10_000),
+        ("subscribers", o.subscribers, 10_000),
+        ("pairs", o.pairs, 5_000),
+        ("concurrency", o.concurrency, 4_096),
+    ] {
+        if v == 0 || v > max {
+            return Err(format!("--{name} must be in 1..={max}"));
+        }
+    }
+    if o.inflight == 0 || o.inflight > 65_535 {
+        return Err("--inflight must be in 1..=65535".into());
+    }
+    if o.count == 0 {
+        return Err("--count must be > 0".into());
+    }
+    if o.batch == 0 || o.batch > 64 * 1024 * 1024 {
+        return Err("--batch must be in 1..=67108864 bytes".into());
+    }
+    if o.rcvlowat > crate::run::READ_BUF {
+        return Err(format!(
+            "--rcvlowat must be at most {}",
+            crate::run::READ_BUF
+        ));
+    }
+    if o.connect_timeout <= 0.0 {
+        return Err("--connect-timeout must be > 0".into());
+    }
+    if o.topic_prefix.is_empty() || o.topic_prefix.contains(['+', '#', '\0']) {
+        return Err("--topic-prefix must be a non-empty topic without wildcards".into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(s: &str) -> Result<Opts, String> {
+        parse(&s.split_whitespace().map(String::from).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn defaults_per_scenario() {
+        let o = p("fan-in --port 1884").unwrap();
+        assert_eq!((o.publishers, o.payload, o.qos, o.port), (8, 64, 0, 1884));
+        let o = p("qos1 --inflight=32 --protocol 5").unwrap();
+        assert_eq!((o.qos, o.inflight, o.protocol), (1, 32, Protocol::V5));
+        let o = p("fan-out").unwrap();
+        assert_eq!(o.subscribers, 50);
+        let o = p("latency --duration 0.5").unwrap();
+        assert_eq!((o.rate, o.duration), (5000.0, 0.5));
+        let o = p("connections --count 100 --sources 127.0.0.2-127.0.0.3 --hold 0").unwrap();
+        assert_eq!((o.count, o.sources.len(), o.hold), (100, 2, 0.0));
+        assert_eq!(p("loopback").unwrap().payload, 65536);
+    }
+
+    #[test]
+    fn errors() {
+        assert!(p("").is_err());
+        assert!(p("nope").is_err());
+        assert!(p("fan-in --bogus 1").is_err());
+        assert!(p("fan-in --port").is_err());
+        assert!(p("fan-in --port x").is_err());
+        assert!(p("qos1 --qos 0").is_err());
+        assert!(p("latency --payload 4").is_err());
+        assert!(p("fan-in --duration 0").is_err());
+        assert!(p("fan-in --qos 2").is_err());
+    }
+}
