@@ -84,6 +84,7 @@ check "cargo clippy (no default features)" \
     cargo clippy --manifest-path rust/Cargo.toml --all-targets --no-default-features -- -D warnings
 # Without the python feature: the pure-Rust tests need no libpython to link against.
 check "cargo test" cargo test --manifest-path rust/Cargo.toml --no-default-features
+check "cargo test (load generator)" cargo test --release --manifest-path bench/loadgen/Cargo.toml
 
 check "ruff check" ruff check .
 check "ruff format --check" ruff format --check .
