@@ -85,6 +85,7 @@ check "cargo clippy (no default features)" \
 # Without the python feature: the pure-Rust tests need no libpython to link against.
 check "cargo test" cargo test --manifest-path rust/Cargo.toml --no-default-features
 check "cargo test (load generator)" cargo test --release --manifest-path bench/loadgen/Cargo.toml
+check "cargo fmt/clippy (load generator)" bash -c "cargo fmt --manifest-path bench/loadgen/Cargo.toml --check && cargo clippy --release --manifest-path bench/loadgen/Cargo.toml --all-targets -- -D warnings"
 
 check "ruff check" ruff check .
 check "ruff format --check" ruff format --check .
