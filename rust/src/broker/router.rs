@@ -30,6 +30,15 @@ pub(super) fn forwarded_props(mut p: Properties) -> Option<Box<Properties>> {
     }
 }
 
+/// The subscription identifiers a delivery through one subscription carries.
+pub(super) fn sub_ids_of(opts: &SubOpts) -> Vec<u32> {
+    if opts.identifier != 0 {
+        vec![opts.identifier]
+    } else {
+        Vec::new()
+    }
+}
+
 /// Scratch space for one routing pass, kept between calls so routing does not allocate.
 #[derive(Default)]
 pub(super) struct RouteScratch {
@@ -248,22 +257,12 @@ impl Engine {
                     }
                 }
                 _ => {
-                    let ids = if opts.identifier != 0 {
-                        vec![opts.identifier]
-                    } else {
-                        Vec::new()
-                    };
-                    scratch.targets.push((sid, opts, ids));
+                    scratch.targets.push((sid, opts, sub_ids_of(&opts)));
                 }
             }
         }
         for (sid, opts) in picked {
-            let ids = if opts.identifier != 0 {
-                vec![opts.identifier]
-            } else {
-                Vec::new()
-            };
-            scratch.targets.push((sid, opts, ids));
+            scratch.targets.push((sid, opts, sub_ids_of(&opts)));
         }
         let mut count = 0;
         for (sid, opts, ids) in scratch.targets.drain(..) {

@@ -84,11 +84,7 @@ impl Engine {
                     continue;
                 }
                 let qos = msg.qos.min(opts.qos);
-                let sub_ids = if opts.identifier != 0 {
-                    vec![opts.identifier]
-                } else {
-                    Vec::new()
-                };
+                let sub_ids = super::router::sub_ids_of(&opts);
                 // Retained messages sent on subscribe always carry the flag (MQTT-3.3.1-8).
                 self.deliver(sid, &msg, qos, true, sub_ids, now);
             }
