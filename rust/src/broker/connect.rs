@@ -189,7 +189,7 @@ impl Engine {
             conn.session = Some(sid);
             conn.client_id = client_id.clone();
             conn.keep_alive_ms = u64::from(keep_alive) * 1000;
-            conn.will = c.will;
+            conn.will = c.will.map(Box::new);
             conn.client_max_packet = props.maximum_packet_size.map_or(usize::MAX, |m| m as usize);
             conn.client_receive_max = props.receive_maximum.unwrap_or(65535);
             conn.client_topic_alias_max = props.topic_alias_maximum.unwrap_or(0);

@@ -378,7 +378,7 @@ impl Engine {
         if let (true, Some(will)) = (abnormal, will) {
             let delay = will.properties.will_delay_interval.unwrap_or(0);
             if delay == 0 || expiry == 0 {
-                self.publish_will(will, sid, now);
+                self.publish_will(*will, sid, now);
             } else {
                 let at = now + 1000 * u64::from(delay.min(expiry));
                 self.session_mut(sid).expect("exists").pending_will = Some((will, at));
@@ -418,7 +418,7 @@ impl Engine {
         self.by_client.remove(&session.client_id);
         self.free_sessions.push(sid);
         if let Some((will, _)) = session.pending_will {
-            self.publish_will(will, state::BROKER_ORIGIN, now);
+            self.publish_will(*will, state::BROKER_ORIGIN, now);
         }
     }
 

@@ -92,7 +92,9 @@ pub struct Conn {
     pub last_rx: u64,
     /// Keepalive in ms (0 = none); the connection is closed after 1.5 times it.
     pub keep_alive_ms: u64,
-    pub will: Option<LastWill>,
+    /// Boxed: most connections have no will, and an idle connection's size is the broker's
+    /// memory per client.
+    pub will: Option<Box<LastWill>>,
     /// Client's limits (MQTT 5 CONNECT properties).
     pub client_max_packet: usize,
     pub client_receive_max: u16,
@@ -150,7 +152,7 @@ pub struct Session {
     /// again.
     pub inbound_qos2: HashSet<u16>,
     /// A will waiting for its delay (or the session end) after an abnormal disconnect.
-    pub pending_will: Option<(LastWill, u64)>,
+    pub pending_will: Option<(Box<LastWill>, u64)>,
 }
 
 impl Session {

@@ -598,3 +598,16 @@ fn unsubscribe_reports_missing_subscription() {
     }
     assert_eq!(h.e.subscription_count(), 0);
 }
+
+#[test]
+fn per_client_state_stays_small() {
+    // An idle connection's Conn + Session is most of the broker's memory per client (target:
+    // <= 3 KB RSS per idle connection, Python transport included): keep large optional parts
+    // such as the will boxed.
+    let conn = std::mem::size_of::<super::state::Conn>();
+    let session = std::mem::size_of::<super::state::Session>();
+    assert!(
+        conn <= 320 && session <= 320,
+        "Conn {conn} B, Session {session} B"
+    );
+}

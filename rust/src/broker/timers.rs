@@ -59,7 +59,7 @@ impl Engine {
         }
         for sid in wills {
             if let Some((will, _)) = self.session_mut(sid).and_then(|s| s.pending_will.take()) {
-                self.publish_will(will, sid, now);
+                self.publish_will(*will, sid, now);
             }
         }
         for sid in expired {
