@@ -1,0 +1,1342 @@
+#!/usr/bin/env python3
+"""Side-by-side benchmark: fastbroker against Mosquitto on loopback, same load generator.
+
+    python bench/run.py [--rounds 3] [--duration 5] [--warmup 1] [--scenarios fan-in,qos1,...]
+                        [--results bench/results] [--quick]
+
+Every scenario runs once per broker per round, on a broker started fresh for it (on a free
+loopback port, in its own temporary directory, with its queue and in-flight limits lifted).
+The order alternates: fastbroker first in odd rounds, Mosquitto first in even ones. The load
+generator is bench/loadgen (built with cargo if missing). The harness reads each broker's CPU
+time and RSS from /proc, prints one table with each figure's medians and the ratio
+fastbroker / Mosquitto as min-median-max over the rounds, and writes one JSON line per
+scenario x broker x round plus a summary JSON under the results directory.
+
+Only the processes this script starts are ever stopped, by PID, with bounded waits.
+Standard library only; Linux only (/proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import ctypes
+import importlib.util
+import itertools
+import json
+import math
+import os
+import re
+import resource
+import selectors
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+LOADGEN_MANIFEST = REPO / "bench" / "loadgen" / "Cargo.toml"
+LOADGEN_BIN = REPO / "bench" / "loadgen" / "target" / "release" / "fastbroker-loadgen"
+DEFAULT_RESULTS = REPO / "bench" / "results"
+SCHEMA = "fastbroker-bench/1"
+BROKERS = ("fastbroker", "mosquitto")
+READY_TIMEOUT_S = 15.0
+STOP_TIMEOUT_S = 5.0
+SAMPLE_INTERVAL_S = 0.1
+CONNECTION_SOURCES = "127.0.0.2-127.0.0.16"
+
+# Limits lifted on both brokers, so neither drops, queues or throttles where the other would not.
+FASTBROKER_MQTT_LIMITS: dict[str, int] = {
+    "max_queued_messages": 1_000_000,
+    "max_inflight": 65535,
+    "receive_maximum": 65535,
+}
+MOSQUITTO_LIMITS: dict[str, int | str] = {
+    "max_queued_messages": 0,  # 0: no limit
+    "max_inflight_messages": 0,  # 0: no limit
+    "max_queued_bytes": 0,  # 0: no limit
+    "max_connections": -1,  # -1: no limit
+    "persistence": "false",
+    "set_tcp_nodelay": "true",
+}
+LIMITS_TEXT = (
+    "fastbroker: [mqtt] max_queued_messages=1000000 max_inflight=65535 receive_maximum=65535, "
+    "[sys] interval=0, log level warning; mosquitto: max_queued_messages 0, "
+    "max_inflight_messages 0, max_queued_bytes 0 (0 = unlimited), max_connections -1, "
+    "persistence false, set_tcp_nodelay true, sys_interval 0, errors/warnings logged only"
+)
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measured number of a scenario: a key of the loadgen's JSON (or one the harness
+    derives, such as rss_per_conn_bytes), shown as one table row with its own ratio."""
+
+    key: str
+    label: str
+    direction: str = "higher"  # which way is better: "higher" or "lower"
+    unit: str = ""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    command: str  # the loadgen's scenario argument
+    options: tuple[tuple[str, str], ...]
+    summary: str  # parameters in words, for the table
+    figures: tuple[Figure, ...]
+    uses_broker: bool = True
+
+    def loadgen_args(self, settings: Settings) -> list[str]:
+        args = [self.command]
+        if self.uses_broker:
+            args += ["--host", HOST, "--port", "{port}"]
+        args += ["--duration", fmt_num(settings.duration), "--warmup", fmt_num(settings.warmup)]
+        for key, value in self.options:
+            args += [f"--{key}", value]
+        return args
+
+    def params(self, settings: Settings) -> dict[str, Any]:
+        out: dict[str, Any] = {"loadgen_scenario": self.command}
+        for key, value in self.options:
+            out[key] = parse_scalar(value)
+        out["duration_s"] = settings.duration
+        out["warmup_s"] = settings.warmup
+        return out
+
+
+def parse_scalar(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+@dataclass(frozen=True)
+class Settings:
+    rounds: int = 3
+    duration: float = 5.0
+    warmup: float = 1.0
+    connections: int = 15000
+    hold: float = 3.0
+    payloads: tuple[int, ...] = (16, 1024, 65536)
+    quick: bool = False
+
+
+QUICK = Settings(rounds=3, duration=2.0, warmup=0.5, connections=3000, hold=1.5, quick=True)
+
+MSGS = "msg/s"
+
+
+def payload_name(size: int) -> str:
+    if size >= 1024 and size % 1024 == 0:
+        return f"payload-{size // 1024}k"
+    return f"payload-{size}"
+
+
+def payload_words(size: int) -> str:
+    if size >= 1024 and size % 1024 == 0:
+        return f"{size // 1024} KiB"
+    return f"{size} B"
+
+
+def build_scenarios(settings: Settings) -> list[Scenario]:
+    """Every scenario, in the order they run within a round."""
+    o = tuple
+    scenarios = [
+        Scenario(
+            "fan-in",
+            "fan-in",
+            o([("publishers", "8"), ("payload", "64"), ("qos", "0")]),
+            "8 publishers -> 1 wildcard subscriber, QoS 0, 64 B",
+            (Figure("delivered_per_s", "delivered msg/s", unit=MSGS),),
+        ),
+        Scenario(
+            "fan-out",
+            "fan-out",
+            o([("subscribers", "50"), ("payload", "64")]),
+            "1 publisher -> 50 subscribers of one topic, QoS 0, 64 B",
+            (Figure("delivered_per_s", "delivered msg/s", unit=MSGS),),
+        ),
+        Scenario(
+            "pairs",
+            "pairs",
+            o([("pairs", "50"), ("payload", "64")]),
+            "50 independent publisher/subscriber pairs, QoS 0, 64 B",
+            (Figure("delivered_per_s", "delivered msg/s", unit=MSGS),),
+        ),
+        Scenario(
+            "qos1",
+            "qos1",
+            o([("publishers", "8"), ("inflight", "64"), ("payload", "64")]),
+            "8 QoS 1 publishers, 64 in flight each -> 1 QoS 1 subscriber, 64 B",
+            (
+                Figure("acked_per_s", "acked publishes/s", unit=MSGS),
+                Figure("delivered_per_s", "delivered msg/s", unit=MSGS),
+            ),
+        ),
+        Scenario(
+            "latency",
+            "latency",
+            o([("rate", "5000"), ("payload", "64")]),
+            "1 publisher at a fixed 5,000 msg/s -> 1 subscriber, QoS 0, 64 B",
+            (
+                Figure("p50_us", "p50 latency us", "lower", "us"),
+                Figure("p99_us", "p99 latency us", "lower", "us"),
+                Figure("p999_us", "p99.9 latency us", "lower", "us"),
+            ),
+        ),
+        Scenario(
+            "connections",
+            "connections",
+            o(
+                [
+                    ("count", str(settings.connections)),
+                    ("sources", CONNECTION_SOURCES),
+                    ("hold", fmt_num(settings.hold)),
+                    ("concurrency", "256"),
+                ]
+            ),
+            f"{settings.connections:,} idle connections from {CONNECTION_SOURCES}, "
+            "256 connecting at a time",
+            (
+                Figure("connects_per_s", "connects/s", unit="conn/s"),
+                Figure("rss_per_conn_bytes", "broker RSS bytes/conn", "lower", "B"),
+            ),
+        ),
+    ]
+    for size in settings.payloads:
+        scenarios.append(
+            Scenario(
+                payload_name(size),
+                "throughput",
+                o([("payload", str(size))]),
+                f"payload sweep: {payload_words(size)} messages, 1 publisher -> 1 subscriber",
+                (Figure("mb_per_s", "MB/s delivered", unit="MB/s"),),
+            )
+        )
+    if settings.payloads:
+        scenarios.append(
+            Scenario(
+                "loopback",
+                "loopback",
+                o([("payload", "65536")]),
+                "no broker: loopback TCP copy of 64 KiB writes (the physical ceiling)",
+                (Figure("mb_per_s", "MB/s loopback ceiling", unit="MB/s"),),
+                uses_broker=False,
+            )
+        )
+    return scenarios
+
+
+def select_scenarios(scenarios: list[Scenario], spec: str | None) -> list[Scenario]:
+    """--scenarios: names, "payload" for the whole sweep; the loopback ceiling comes along
+    with any payload scenario."""
+    if not spec:
+        return scenarios
+    wanted = {s.strip() for s in spec.split(",") if s.strip()}
+    known = {s.name for s in scenarios} | {"payload"}
+    unknown = wanted - known
+    if unknown:
+        raise SystemExit(
+            f"unknown scenario(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}"
+        )
+    if "payload" in wanted:
+        wanted |= {s.name for s in scenarios if s.command == "throughput"}
+    if any(s.command == "throughput" and s.name in wanted for s in scenarios):
+        wanted.add("loopback")
+    return [s for s in scenarios if s.name in wanted]
+
+
+# --------------------------------------------------------------------------- broker configs
+
+
+def mosquitto_config_text(port: int, as_root: bool) -> str:
+    lines = [
+        f"listener {port} {HOST}",
+        "allow_anonymous true",
+        *(f"{key} {value}" for key, value in MOSQUITTO_LIMITS.items()),
+        "sys_interval 0",
+        "log_dest stderr",
+        "log_type error",
+        "log_type warning",
+        "connection_messages false",
+    ]
+    if as_root:
+        # Started as root, mosquitto would switch to user "mosquitto"; stay as we are.
+        lines.append("user root")
+    return "\n".join(lines) + "\n"
+
+
+def fastbroker_config_text(port: int, data_dir: str) -> str:
+    lines = [
+        "[listener]",
+        f'host = "{HOST}"',
+        f"port = {port}",
+        "",
+        "[storage]",
+        f"data_dir = {json.dumps(data_dir)}",
+        "",
+        "[log]",
+        'level = "warning"',
+        "",
+        "[sys]",
+        "interval = 0",
+        "",
+        "[mqtt]",
+        *(f"{key} = {value}" for key, value in FASTBROKER_MQTT_LIMITS.items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def broker_limits(broker: str) -> dict[str, Any]:
+    if broker == "fastbroker":
+        return {**FASTBROKER_MQTT_LIMITS, "sys_interval": 0}
+    if broker == "mosquitto":
+        return {**MOSQUITTO_LIMITS, "sys_interval": 0}
+    return {}
+
+
+# --------------------------------------------------------------------------- processes
+
+_LIBC: Any = None
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+except OSError:
+    pass
+PR_SET_PDEATHSIG = 1
+
+
+def raise_nofile_limit() -> tuple[int, int]:
+    """Soft RLIMIT_NOFILE up to the hard limit (15,000 connections need it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def _child_setup() -> None:  # preexec_fn: runs in the child between fork and exec
+    raise_nofile_limit()
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the harness
+
+
+_started: dict[int, subprocess.Popen] = {}
+
+
+def spawn(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+    proc = subprocess.Popen(list(cmd), preexec_fn=_child_setup, **kwargs)
+    _started[proc.pid] = proc
+    return proc
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> int | None:
+    """SIGTERM one process this harness started, SIGKILL it after `timeout`. Idempotent."""
+    try:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=timeout)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    _started.pop(proc.pid, None)
+    return proc.returncode
+
+
+def stop_all_started() -> None:
+    for proc in list(_started.values()):
+        stop_process(proc)
+
+
+atexit.register(stop_all_started)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- /proc
+
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def proc_cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a process (all its threads), in seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return parse_proc_stat_cpu(data)
+
+
+def parse_proc_stat_cpu(data: str) -> float:
+    # The command name (field 2) may contain spaces and parentheses: split after the last ")".
+    fields = data[data.rindex(")") + 2 :].split()
+    # fields[0] is field 3 (state); utime and stime are fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def proc_status_kb(pid: int, key: str = "VmRSS") -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return parse_proc_status_kb(text, key)
+
+
+def parse_proc_status_kb(text: str, key: str) -> int | None:
+    match = re.search(rf"^{re.escape(key)}:\s+(\d+)\s+kB", text, re.MULTILINE)
+    return int(match.group(1)) if match else None
+
+
+def cpu_percent(samples: Sequence[tuple[float, float]], start: float, end: float) -> float | None:
+    """CPU % (100 = one core) over [start, end] from (monotonic time, cpu seconds) samples,
+    interpolating linearly between samples; None without enough samples."""
+    if len(samples) < 2 or end <= start:
+        return None
+
+    def at(t: float) -> float:
+        if t <= samples[0][0]:
+            return samples[0][1]
+        for (t0, c0), (t1, c1) in itertools.pairwise(samples):
+            if t0 <= t <= t1:
+                return c0 if t1 == t0 else c0 + (c1 - c0) * (t - t0) / (t1 - t0)
+        return samples[-1][1]
+
+    start = max(start, samples[0][0])
+    end = min(end, samples[-1][0])
+    if end <= start:
+        return None
+    return 100.0 * (at(end) - at(start)) / (end - start)
+
+
+# --------------------------------------------------------------------------- brokers
+
+
+@dataclass
+class Broker:
+    kind: str
+    port: int
+    proc: subprocess.Popen
+    workdir: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stderr_tail(self, limit: int = 2000) -> str:
+        try:
+            return (self.workdir / "stderr.log").read_text(errors="replace")[-limit:]
+        except OSError:
+            return ""
+
+
+def fastbroker_command() -> list[str]:
+    script = Path(sys.executable).parent / "fastbroker"
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-m", "fastbroker"]
+
+
+def fastbroker_location() -> str:
+    """Where the fastbroker that runs is installed (it may differ from this checkout)."""
+    try:
+        spec = importlib.util.find_spec("fastbroker")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin:
+        return "not importable from this Python"
+    return str(Path(spec.origin).parent)
+
+
+def mosquitto_executable() -> str | None:
+    for cand in (shutil.which("mosquitto"), "/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto"):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def broker_version(kind: str) -> str:
+    try:
+        if kind == "fastbroker":
+            out = subprocess.run(
+                [*fastbroker_command(), "--version"], capture_output=True, text=True, timeout=30
+            ).stdout
+            match = re.search(r"version\s+(\S+)", out)
+        else:
+            exe = mosquitto_executable()
+            if exe is None:
+                return "missing"
+            res = subprocess.run([exe, "-h"], capture_output=True, text=True, timeout=30)
+            match = re.search(r"mosquitto version\s+(\S+)", res.stdout + res.stderr)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return match.group(1) if match else "unknown"
+
+
+def start_broker(kind: str, base: Path) -> Broker:
+    last_error = ""
+    for _ in range(3):  # a port from free_port() may be taken before the broker binds it
+        port = free_port()
+        workdir = Path(tempfile.mkdtemp(prefix=f"{kind}-{port}-", dir=base))
+        if kind == "fastbroker":
+            config = workdir / "fastbroker.toml"
+            config.write_text(fastbroker_config_text(port, str(workdir / "data")))
+            cmd = [*fastbroker_command(), "run", "--host", HOST, "--port", str(port)]
+            cmd += ["--config", str(config)]
+        elif kind == "mosquitto":
+            exe = mosquitto_executable()
+            if exe is None:
+                raise RuntimeError("mosquitto not found (apt-get install mosquitto)")
+            config = workdir / "mosquitto.conf"
+            config.write_text(mosquitto_config_text(port, os.geteuid() == 0))
+            cmd = [exe, "-c", str(config)]
+        else:
+            raise ValueError(f"unknown broker {kind!r}")
+        with open(workdir / "stderr.log", "wb") as err:
+            proc = spawn(cmd, cwd=workdir, stdin=subprocess.DEVNULL, stdout=err, stderr=err)
+        broker = Broker(kind, port, proc, workdir)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            try:
+                with socket.create_connection((HOST, port), timeout=0.5):
+                    return broker
+            except OSError:
+                time.sleep(0.05)
+        stop_process(proc)
+        last_error = (
+            f"{kind} did not start on {HOST}:{port} (exit code {proc.returncode}): "
+            f"{broker.stderr_tail()}"
+        )
+        if "in use" not in last_error.lower():
+            break
+    raise RuntimeError(last_error)
+
+
+# --------------------------------------------------------------------------- loadgen
+
+
+def find_loadgen(explicit: str | None, build: bool = True) -> Path:
+    """The loadgen binary: --loadgen / $FASTBROKER_LOADGEN, else bench/loadgen built with
+    cargo (a no-op when up to date), else an existing build."""
+    chosen = explicit or os.environ.get("FASTBROKER_LOADGEN")
+    if chosen:
+        path = Path(chosen)
+        if not os.access(path, os.X_OK):
+            raise SystemExit(f"loadgen {path} is not an executable file")
+        return path
+    cargo = shutil.which("cargo")
+    if build and cargo and LOADGEN_MANIFEST.is_file():
+        print(f"building the loadgen: cargo build --release ({LOADGEN_MANIFEST})", flush=True)
+        res = subprocess.run(
+            [cargo, "build", "--release", "--quiet", "--manifest-path", str(LOADGEN_MANIFEST)],
+            stdin=subprocess.DEVNULL,
+        )
+        if res.returncode != 0 and not LOADGEN_BIN.exists():
+            raise SystemExit(f"cargo build of {LOADGEN_MANIFEST} failed (exit {res.returncode})")
+    if not LOADGEN_BIN.exists():
+        raise SystemExit(
+            f"no loadgen at {LOADGEN_BIN}: needs {LOADGEN_MANIFEST} and cargo, or --loadgen PATH"
+        )
+    return LOADGEN_BIN
+
+
+def parse_loadgen_output(stdout: str) -> tuple[dict[str, Any] | None, bool]:
+    """(final JSON object, whether a {"ready": true} line came first)."""
+    final = None
+    ready = False
+    for line in stdout.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        if obj.get("ready") is True:
+            ready = True
+        else:
+            final = obj
+    return final, ready
+
+
+@dataclass
+class Measurement:
+    """One scenario x broker x round."""
+
+    scenario: str
+    broker: str  # "fastbroker", "mosquitto", or "none" (loopback)
+    round: int
+    position: int  # 1 = this broker ran first in its round
+    params: dict[str, Any]
+    figures: dict[str, Any] = field(default_factory=dict)
+    loadgen: dict[str, Any] | None = None
+    broker_cpu_percent: float | None = None
+    broker_rss_kb: int | None = None
+    broker_rss_peak_kb: int | None = None
+    error: str | None = None
+    cpu_window_s: list[float] | None = None  # broker CPU window, from the loadgen's start
+    started: float = 0.0
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+# The loadgen logs this to stderr right before it starts its timeline: publishing begins
+# PUBLISH_DELAY_S later, and the measured window `warmup` seconds after that.
+PUBLISHING_MARKER = b"publishing"
+PUBLISH_DELAY_S = 0.2
+STDERR_TAIL = 4096
+
+
+@dataclass
+class LoadgenRun:
+    code: int | None
+    stdout: str
+    start: float  # monotonic times
+    end: float
+    ready_at: float | None = None  # {"ready": true} line (connections)
+    publishing_at: float | None = None  # PUBLISHING_MARKER on stderr
+    timed_out: bool = False
+    stderr_tail: str = ""
+
+
+def measured_window(run: LoadgenRun, warmup: float, duration: float) -> tuple[float, float]:
+    """The loadgen's measured window in monotonic time: from its stderr marker when it logged
+    one, else the last `duration` seconds before it exited (less its ~1 s grace period)."""
+    if run.publishing_at is not None:
+        start = run.publishing_at + PUBLISH_DELAY_S + warmup
+        return start, min(start + duration, run.end)
+    end = max(run.start, run.end - 1.0)
+    return max(run.start, end - duration), end
+
+
+def run_loadgen(
+    loadgen: Path,
+    args: list[str],
+    timeout: float,
+    on_sample: Callable[[float], None] | None = None,
+    on_ready: Callable[[float], None] | None = None,
+) -> LoadgenRun:
+    """Runs the loadgen to its end (or `timeout`), calling on_sample(now) every
+    SAMPLE_INTERVAL_S and on_ready(now) on its {"ready": true} line."""
+    start = time.monotonic()
+    proc = spawn(
+        [str(loadgen), *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    run = LoadgenRun(None, "", start, start)
+    out_chunks: list[bytes] = []
+    err_tail = b""
+    pending = {"out": b"", "err": b""}
+    sel = selectors.DefaultSelector()
+    for name, pipe in (("out", proc.stdout), ("err", proc.stderr)):
+        os.set_blocking(pipe.fileno(), False)
+        sel.register(pipe, selectors.EVENT_READ, name)
+    deadline = start + timeout
+    try:
+        while sel.get_map():
+            if time.monotonic() > deadline:
+                run.timed_out = True
+                stop_process(proc)
+                break
+            for key, _ in sel.select(timeout=SAMPLE_INTERVAL_S):
+                try:
+                    data = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                now = time.monotonic()
+                if not data:
+                    sel.unregister(key.fileobj)
+                    continue
+                if key.data == "out":
+                    out_chunks.append(data)
+                else:
+                    err_tail = (err_tail + data)[-STDERR_TAIL:]
+                buf = pending[key.data] + data
+                *lines, pending[key.data] = buf.split(b"\n")
+                for line in lines:
+                    if key.data == "out" and run.ready_at is None and b'"ready"' in line:
+                        if parse_loadgen_output(line.decode(errors="replace"))[1]:
+                            run.ready_at = now
+                            if on_ready:
+                                on_ready(now)
+                    elif key.data == "err" and run.publishing_at is None:
+                        if PUBLISHING_MARKER in line:
+                            run.publishing_at = now
+            if on_sample and proc.poll() is None:
+                on_sample(time.monotonic())
+        run.end = time.monotonic()
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            pass
+        run.code = stop_process(proc)
+    finally:
+        sel.close()
+        proc.stdout.close()
+        proc.stderr.close()
+        if proc.poll() is None:
+            stop_process(proc)
+    run.stdout = b"".join(out_chunks).decode(errors="replace")
+    run.stderr_tail = err_tail.decode(errors="replace")
+    return run
+
+
+def check_loadgen_result(run: LoadgenRun, result: dict[str, Any] | None) -> None:
+    """Raises unless the loadgen produced a result. Exit code 3 (some of the connections
+    failed) still comes with figures: they are kept, with its error count."""
+    if run.timed_out:
+        raise RuntimeError(f"loadgen timed out; stderr: {run.stderr_tail.strip()[-600:]!r}")
+    if result is not None and "error" in result:
+        raise RuntimeError(f"loadgen: {result['error']} (exit code {run.code})")
+    if result is None or run.code not in (0, 3):
+        raise RuntimeError(
+            f"loadgen exit code {run.code}, no result; stderr: {run.stderr_tail.strip()[-600:]!r}"
+        )
+
+
+def figures_from(result: dict[str, Any]) -> dict[str, Any]:
+    """The loadgen's numeric results (its params and CPU share are kept apart)."""
+    skip = {"loadgen_cpu_percent", "loadgen_cores_busy"}
+    return {k: v for k, v in result.items() if k not in skip and valid_number(v)}
+
+
+DELIVERY_NOTE_BELOW = 0.9  # delivered / published under which the table gets a note
+LOADGEN_BUSY_PERCENT = 80.0  # loadgen CPU share above which it may have been the bottleneck
+
+
+def run_notes(measurements: Sequence[Measurement]) -> list[str]:
+    """What a reader of the table should know: failed runs, loadgen errors, a broker that
+    delivered much less than was published (it queued the rest: its delivered msg/s is not
+    sustainable), a loadgen that was busy enough to be the bottleneck."""
+    notes = []
+    groups: dict[tuple[str, str], list[Measurement]] = {}
+    for m in measurements:
+        if not m.ok:
+            notes.append(f"FAILED run: {m.scenario} {m.broker} round {m.round}: {m.error}")
+            continue
+        groups.setdefault((m.scenario, m.broker), []).append(m)
+        errors = m.figures.get("errors")
+        if valid_number(errors) and errors:
+            notes.append(
+                f"loadgen counted {fmt_num(errors)} errors in {m.scenario} {m.broker} "
+                f"round {m.round}"
+            )
+    for (scenario, broker), ms in groups.items():
+        ratios = [m.figures["delivery_ratio"] for m in ms if "delivery_ratio" in m.figures]
+        if ratios and statistics.median(ratios) < DELIVERY_NOTE_BELOW:
+            peak = max((m.broker_rss_peak_kb or 0) for m in ms)
+            notes.append(
+                f"{broker} {scenario}: delivered {100 * statistics.median(ratios):.0f}% of what "
+                f"was published (median; {100 * min(ratios):.0f}-{100 * max(ratios):.0f}%), "
+                f"the rest was queued or dropped; peak RSS {peak / 1024:.0f} MiB"
+            )
+        busy = [
+            (m.loadgen or {}).get("loadgen_cpu_percent")
+            for m in ms
+            if valid_number((m.loadgen or {}).get("loadgen_cpu_percent"))
+        ]
+        if broker != "none" and busy and statistics.median(busy) > LOADGEN_BUSY_PERCENT:
+            notes.append(
+                f"loadgen used {statistics.median(busy):.0f}% of a core in {scenario} "
+                f"({broker}): it may have been a bottleneck there"
+            )
+    return notes
+
+
+def measure(
+    scenario: Scenario,
+    broker_kind: str | None,
+    round_no: int,
+    position: int,
+    settings: Settings,
+    loadgen: Path,
+    base: Path,
+) -> Measurement:
+    params = scenario.params(settings)
+    if broker_kind:
+        params["broker_limits"] = broker_limits(broker_kind)
+    m = Measurement(scenario.name, broker_kind or "none", round_no, position, params)
+    m.started = time.time()
+    t0 = time.monotonic()
+    broker: Broker | None = None
+    try:
+        if broker_kind:
+            broker = start_broker(broker_kind, base)
+        port = str(broker.port) if broker else "0"
+        args = [a.replace("{port}", port) for a in scenario.loadgen_args(settings)]
+        m.params["loadgen_args"] = args
+        samples: list[tuple[float, float]] = []
+        rss_last: list[int] = []
+        rss_hold: list[int] = []
+        rss_before = proc_status_kb(broker.pid) if broker else None
+        settle = min(1.0, settings.hold / 2)
+        ready_box: list[float] = []
+
+        def on_sample(now: float) -> None:
+            if broker is None:
+                return
+            cpu = proc_cpu_seconds(broker.pid)
+            if cpu is not None:
+                samples.append((now, cpu))
+            rss = proc_status_kb(broker.pid)
+            if rss is not None:
+                rss_last[:] = [rss]
+                if ready_box and now >= ready_box[0] + settle:
+                    rss_hold.append(rss)
+
+        def on_ready(now: float) -> None:
+            ready_box.append(now)
+
+        on_sample(time.monotonic())
+        timeout = settings.warmup + settings.duration + 120
+        if scenario.command == "connections":
+            timeout += settings.hold + 300
+        run = run_loadgen(loadgen, args, timeout, on_sample=on_sample, on_ready=on_ready)
+        result, _ = parse_loadgen_output(run.stdout)
+        if broker is not None and broker.proc.poll() is not None:
+            raise RuntimeError(
+                f"{broker.kind} exited with code {broker.proc.returncode} during the run: "
+                f"{broker.stderr_tail()}"
+            )
+        check_loadgen_result(run, result)
+        assert result is not None
+        m.loadgen = result
+        m.figures = figures_from(result)
+        if broker is not None:
+            m.broker_rss_kb = rss_last[0] if rss_last else None
+            m.broker_rss_peak_kb = proc_status_kb(broker.pid, "VmHWM")
+            if scenario.command == "connections":
+                # CPU over the connect phase; RSS per connection while all are held.
+                held = max(rss_hold) if rss_hold else m.broker_rss_kb
+                window = (run.start, run.ready_at or run.end)
+                m.broker_cpu_percent = cpu_percent(samples, *window)
+                m.cpu_window_s = [round(t - run.start, 2) for t in window]
+                connected = int(result.get("connected") or 0)
+                if held is not None and rss_before is not None and connected > 0:
+                    m.figures["rss_before_kb"] = rss_before
+                    m.figures["rss_holding_kb"] = held
+                    m.figures["rss_per_conn_bytes"] = (held - rss_before) * 1024 / connected
+                    m.broker_rss_kb = held
+            else:
+                window = measured_window(run, settings.warmup, settings.duration)
+                m.broker_cpu_percent = cpu_percent(samples, *window)
+                m.cpu_window_s = [round(t - run.start, 2) for t in window]
+        missing = [f.key for f in scenario.figures if not valid_number(m.figures.get(f.key))]
+        if missing:
+            raise RuntimeError(f"loadgen result lacks {', '.join(missing)}: {result}")
+    except Exception as e:  # one failed run must not end the benchmark
+        m.error = f"{type(e).__name__}: {e}"
+    finally:
+        if broker is not None:
+            stop_process(broker.proc)
+            shutil.rmtree(broker.workdir, ignore_errors=True)
+        m.elapsed_s = time.monotonic() - t0
+    return m
+
+
+def valid_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def broker_order(round_no: int) -> tuple[str, str]:
+    """fastbroker first in odd rounds, Mosquitto first in even ones."""
+    return BROKERS if round_no % 2 == 1 else (BROKERS[1], BROKERS[0])
+
+
+def spread(values: Sequence[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {
+        "min": min(values),
+        "median": statistics.median(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def round_ratios(fast: dict[int, float], mosq: dict[int, float]) -> list[float]:
+    """fastbroker / Mosquitto per round, for the rounds in which both have a figure."""
+    out = []
+    for rnd in sorted(set(fast) & set(mosq)):
+        if mosq[rnd] > 0:
+            out.append(fast[rnd] / mosq[rnd])
+    return out
+
+
+@dataclass
+class Row:
+    scenario: str
+    summary: str
+    figure: Figure
+    values: dict[str, dict[int, float]]  # broker -> round -> value
+    ratios: list[float]
+    broker_cpu: dict[str, list[float]]
+    loadgen_cpu: dict[str, list[float]]
+    failures: int = 0
+    first: bool = True  # first row of its scenario
+
+    @property
+    def row_id(self) -> str:
+        return row_id(self.scenario, self.figure.key)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.row_id,
+            "scenario": self.scenario,
+            "parameters": self.summary,
+            "figure": self.figure.key,
+            "label": self.figure.label,
+            "direction": self.figure.direction,
+            "values": {b: spread(list(v.values())) for b, v in self.values.items()},
+            "ratio": spread(self.ratios),
+            "ratios": self.ratios,
+            "broker_cpu_percent": {b: spread(v) for b, v in self.broker_cpu.items()},
+            "loadgen_cpu_percent": {b: spread(v) for b, v in self.loadgen_cpu.items()},
+            "failed_runs": self.failures,
+        }
+
+
+def row_id(scenario: str, figure_key: str) -> str:
+    return f"{scenario}:{figure_key}"
+
+
+def build_rows(scenarios: Iterable[Scenario], measurements: Iterable[Measurement]) -> list[Row]:
+    ms = list(measurements)
+    rows = []
+    for sc in scenarios:
+        mine = [m for m in ms if m.scenario == sc.name]
+        kinds = ("none",) if not sc.uses_broker else BROKERS
+        for i, fig in enumerate(sc.figures):
+            values: dict[str, dict[int, float]] = {k: {} for k in kinds}
+            bcpu: dict[str, list[float]] = {k: [] for k in kinds}
+            lcpu: dict[str, list[float]] = {k: [] for k in kinds}
+            for m in mine:
+                if not m.ok or m.broker not in values:
+                    continue
+                v = m.figures.get(fig.key)
+                if valid_number(v):
+                    values[m.broker][m.round] = float(v)
+                if valid_number(m.broker_cpu_percent):
+                    bcpu[m.broker].append(float(m.broker_cpu_percent))  # type: ignore[arg-type]
+                lg = (m.loadgen or {}).get("loadgen_cpu_percent")
+                if valid_number(lg):
+                    lcpu[m.broker].append(float(lg))
+            ratios = (
+                round_ratios(values["fastbroker"], values["mosquitto"]) if sc.uses_broker else []
+            )
+            rows.append(
+                Row(
+                    sc.name,
+                    sc.summary,
+                    fig,
+                    values,
+                    ratios,
+                    bcpu,
+                    lcpu,
+                    failures=sum(1 for m in mine if not m.ok),
+                    first=i == 0,
+                )
+            )
+    return rows
+
+
+# --------------------------------------------------------------------------- table
+
+
+def fmt_num(x: float | None) -> str:
+    """Compact number: 0.5, 2, 1,234,567, 12.3."""
+    if x is None or not valid_number(x):
+        return "-"
+    if float(x).is_integer():
+        return f"{int(x):,}"
+    if abs(x) >= 100:
+        return f"{round(x):,}"
+    if abs(x) >= 10:
+        return f"{x:.1f}"
+    return f"{x:.2f}".rstrip("0").rstrip(".") if abs(x) >= 0.01 else f"{x:.3g}"
+
+
+def fmt_ratio(values: Sequence[float]) -> str:
+    s = spread(values)
+    if s is None:
+        return "-"
+    return f"{s['min']:.2f}-{s['median']:.2f}-{s['max']:.2f}"
+
+
+def fmt_median(values: dict[int, float]) -> str:
+    return fmt_num(statistics.median(values.values())) if values else "-"
+
+
+def fmt_cpu(per_broker: dict[str, list[float]], kinds: Sequence[str]) -> str:
+    parts = [fmt_num(statistics.median(per_broker[k])) if per_broker.get(k) else "-" for k in kinds]
+    return " / ".join(parts)
+
+
+def render_table(rows: Sequence[Row], ceiling: float | None = None) -> str:
+    header = [
+        "scenario",
+        "parameters",
+        "figure",
+        "fastbroker (median)",
+        "mosquitto (median)",
+        "ratio fb/mosq min-median-max",
+        "broker CPU % fb / mosq",
+        "loadgen CPU % fb / mosq",
+    ]
+    body: list[list[str]] = []
+    for r in rows:
+        label = r.figure.label
+        if r.figure.direction == "lower":
+            label += " (lower is better)"
+        if r.scenario == "loopback":
+            med = fmt_median(r.values.get("none", {}))
+            body.append(
+                [
+                    r.scenario,
+                    r.summary,
+                    label,
+                    med,
+                    med,
+                    "(ceiling, no broker)",
+                    "-",
+                    fmt_cpu(r.loadgen_cpu, ("none",)),
+                ]
+            )
+            continue
+        figure_text = label
+        if r.figure.key == "mb_per_s" and ceiling:
+            shares = [
+                f"{100 * statistics.median(r.values[b].values()) / ceiling:.0f}%"
+                if r.values.get(b)
+                else "-"
+                for b in BROKERS
+            ]
+            figure_text += f" ({' / '.join(shares)} of ceiling)"
+        ratio = fmt_ratio(r.ratios)
+        if r.failures:
+            ratio += f" [{r.failures} failed run(s)]"
+        body.append(
+            [
+                r.scenario if r.first else "",
+                r.summary if r.first else "",
+                figure_text,
+                fmt_median(r.values.get("fastbroker", {})),
+                fmt_median(r.values.get("mosquitto", {})),
+                ratio,
+                fmt_cpu(r.broker_cpu, BROKERS) if r.first else "",
+                fmt_cpu(r.loadgen_cpu, BROKERS) if r.first else "",
+            ]
+        )
+    widths = [
+        max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)
+    ]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    out = [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(b) for b in body]
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- results
+
+
+def git_sha() -> str:
+    try:
+        res = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    sha = res.stdout.strip()
+    return sha if res.returncode == 0 and sha else "unknown"
+
+
+def git_dirty() -> bool | None:
+    try:
+        res = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return bool(res.stdout.strip()) if res.returncode == 0 else None
+
+
+def new_run_id() -> str:
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:8]
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def json_line(m: Measurement, run: dict[str, Any]) -> dict[str, Any]:
+    """One JSON line: a scenario x broker x round, self-describing for later batch jobs."""
+    lg = m.loadgen or {}
+    return {
+        "schema": SCHEMA,
+        "run_id": run["run_id"],
+        "git_sha": run["git_sha"],
+        "git_dirty": run.get("git_dirty"),
+        "hostname": run["hostname"],
+        "cpu_count": run.get("cpu_count"),
+        "timestamp": iso(m.started),
+        "quick": run.get("quick", False),
+        "broker": m.broker,
+        "broker_version": run["broker_versions"].get(m.broker, ""),
+        "round": m.round,
+        "position": m.position,
+        "scenario": m.scenario,
+        "params": m.params,
+        "figures": m.figures,
+        "broker_cpu_percent": m.broker_cpu_percent,
+        "broker_rss_kb": m.broker_rss_kb,
+        "broker_rss_peak_kb": m.broker_rss_peak_kb,
+        "broker_cpu_window_s": m.cpu_window_s,
+        "loadgen_cpu_percent": lg.get("loadgen_cpu_percent"),
+        "loadgen_cores_busy": lg.get("loadgen_cores_busy"),
+        "loadgen": lg,
+        "ok": m.ok,
+        "error": m.error,
+        "elapsed_s": round(m.elapsed_s, 3),
+    }
+
+
+# --------------------------------------------------------------------------- main
+
+
+def run_benchmark(
+    settings: Settings,
+    scenarios: list[Scenario],
+    loadgen: Path,
+    results_dir: Path,
+    brokers: Sequence[str] = BROKERS,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    t_start = time.monotonic()
+    results_dir.mkdir(parents=True, exist_ok=True)
+    run: dict[str, Any] = {
+        "run_id": new_run_id(),
+        "git_sha": git_sha(),
+        "git_dirty": git_dirty(),
+        "hostname": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "quick": settings.quick,
+        "broker_versions": {b: broker_version(b) for b in brokers},
+        "fastbroker_path": fastbroker_location(),
+    }
+    run["broker_versions"]["none"] = ""
+    lines_path = results_dir / f"{run['run_id']}.jsonl"
+    summary_path = results_dir / f"{run['run_id']}.summary.json"
+    nofile = raise_nofile_limit()
+    log(
+        f"run {run['run_id']}  git {run['git_sha'][:12]}{' (dirty)' if run['git_dirty'] else ''}"
+        f"  host {run['hostname']}  {run['cpu_count']} CPUs  load {os.getloadavg()[0]:.2f}"
+    )
+    log(
+        "brokers: "
+        + ", ".join(f"{b} {run['broker_versions'][b]}" for b in brokers)
+        + f"; loadgen {loadgen}; RLIMIT_NOFILE {nofile[0]}/{nofile[1]}"
+    )
+    if "fastbroker" in brokers:
+        log(f"fastbroker: {' '.join(fastbroker_command())} (package {run['fastbroker_path']})")
+    log(f"lifted limits: {LIMITS_TEXT}")
+    log(
+        f"settings: rounds {settings.rounds}, duration {fmt_num(settings.duration)} s, warmup "
+        f"{fmt_num(settings.warmup)} s; order alternates (fastbroker first in odd rounds)"
+    )
+    for sc in scenarios:
+        log(f"  {sc.name:12} {sc.summary}  [loadgen {' '.join(sc.loadgen_args(settings))}]")
+    if settings.connections and any(s.command == "connections" for s in scenarios):
+        if nofile[0] < settings.connections + 100:
+            log(f"WARNING: RLIMIT_NOFILE {nofile[0]} < {settings.connections} connections")
+    measurements: list[Measurement] = []
+    base = Path(tempfile.mkdtemp(prefix="fastbroker-bench-"))
+    try:
+        with open(lines_path, "a") as out:
+            for rnd in range(1, settings.rounds + 1):
+                order = [b for b in broker_order(rnd) if b in brokers]
+                for sc in scenarios:
+                    kinds: list[str | None] = list(order) if sc.uses_broker else [None]
+                    for pos, kind in enumerate(kinds, 1):
+                        m = measure(sc, kind, rnd, pos, settings, loadgen, base)
+                        measurements.append(m)
+                        out.write(json.dumps(json_line(m, run), sort_keys=True) + "\n")
+                        out.flush()
+                        log(progress_line(m, sc))
+    finally:
+        stop_all_started()
+        shutil.rmtree(base, ignore_errors=True)
+    rows = build_rows(scenarios, measurements)
+    ceiling_row = next((r for r in rows if r.scenario == "loopback"), None)
+    ceiling = (
+        statistics.median(ceiling_row.values["none"].values())
+        if ceiling_row and ceiling_row.values["none"]
+        else None
+    )
+    table = render_table(rows, ceiling)
+    summary = {
+        "schema": SCHEMA + "-summary",
+        **{k: v for k, v in run.items() if k != "broker_versions"},
+        "broker_versions": {b: run["broker_versions"][b] for b in brokers},
+        "settings": settings.__dict__ | {"payloads": list(settings.payloads)},
+        "scenarios": [s.name for s in scenarios],
+        "limits": LIMITS_TEXT,
+        "rows": [r.to_json() for r in rows],
+        "loopback_ceiling_mb_per_s": ceiling,
+        "failed_runs": [
+            {"scenario": m.scenario, "broker": m.broker, "round": m.round, "error": m.error}
+            for m in measurements
+            if not m.ok
+        ],
+        "notes": run_notes(measurements),
+        "elapsed_s": round(time.monotonic() - t_start, 1),
+        "jsonl": str(lines_path),
+        "table": table,
+    }
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    log("")
+    log(table)
+    log("")
+    log(
+        "ratio = fastbroker / mosquitto per round (paired), shown min-median-max; above 1 is "
+        "better for fastbroker except rows marked (lower is better). CPU %: 100 = one core, "
+        "medians over rounds."
+    )
+    for note in summary["notes"]:
+        log(f"note: {note}")
+    log(f"results: {lines_path}")
+    log(f"summary: {summary_path}  ({summary['elapsed_s']} s)")
+    summary["summary_path"] = str(summary_path)
+    return summary
+
+
+def progress_line(m: Measurement, sc: Scenario) -> str:
+    head = f"[r{m.round}] {m.scenario:12} {m.broker:10}"
+    if not m.ok:
+        return f"{head} FAILED: {m.error}"
+    figs = "  ".join(f"{f.key}={fmt_num(m.figures.get(f.key))}" for f in sc.figures)
+    cpu = fmt_num(m.broker_cpu_percent)
+    lg = fmt_num((m.loadgen or {}).get("loadgen_cpu_percent"))
+    return f"{head} {figs}  broker CPU {cpu}%  loadgen CPU {lg}%  ({m.elapsed_s:.1f} s)"
+
+
+def settings_from_args(ns: argparse.Namespace) -> Settings:
+    base = QUICK if ns.quick else Settings()
+    payloads = base.payloads
+    if ns.payloads:
+        payloads = tuple(int(p) for p in ns.payloads.split(",") if p.strip())
+    return Settings(
+        rounds=ns.rounds if ns.rounds is not None else base.rounds,
+        duration=ns.duration if ns.duration is not None else base.duration,
+        warmup=ns.warmup if ns.warmup is not None else base.warmup,
+        connections=ns.connections if ns.connections is not None else base.connections,
+        hold=ns.hold if ns.hold is not None else base.hold,
+        payloads=payloads,
+        quick=ns.quick,
+    )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="fastbroker vs Mosquitto, side by side, with bench/loadgen.",
+    )
+    p.add_argument("--rounds", type=int, help="rounds per scenario (default 3)")
+    p.add_argument("--duration", type=float, help="measured seconds per run (default 5)")
+    p.add_argument("--warmup", type=float, help="warm-up seconds per run (default 1)")
+    p.add_argument(
+        "--scenarios",
+        help="comma-separated: fan-in,fan-out,pairs,qos1,latency,connections,payload "
+        "(or payload-16,payload-1k,payload-64k),loopback (default: all)",
+    )
+    p.add_argument("--connections", type=int, help="idle connections (default 15000)")
+    p.add_argument("--hold", type=float, help="seconds the connections are held (default 3)")
+    p.add_argument("--payloads", help="payload sweep sizes in bytes (default 16,1024,65536)")
+    p.add_argument(
+        "--results", type=Path, default=DEFAULT_RESULTS, help="results directory (JSON lines)"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="short settings: 3 rounds of 2 s (0.5 s warm-up), 3,000 connections",
+    )
+    p.add_argument("--brokers", default=",".join(BROKERS), help="subset of brokers, for debugging")
+    p.add_argument("--loadgen", help="loadgen binary (default: build bench/loadgen with cargo)")
+    p.add_argument("--summary-out", type=Path, help="also copy the summary JSON here")
+    ns = p.parse_args(argv)
+    if ns.rounds is not None and ns.rounds < 1:
+        p.error("--rounds must be at least 1")
+    return ns
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = parse_args(argv)
+    brokers = tuple(b for b in ns.brokers.split(",") if b)
+    bad = set(brokers) - set(BROKERS)
+    if bad:
+        raise SystemExit(f"unknown broker(s): {', '.join(sorted(bad))}")
+    settings = settings_from_args(ns)
+    scenarios = select_scenarios(build_scenarios(settings), ns.scenarios)
+    signal.signal(signal.SIGTERM, _sigterm)
+    raise_nofile_limit()
+    loadgen = find_loadgen(ns.loadgen)
+    summary = run_benchmark(settings, scenarios, loadgen, ns.results, brokers)
+    if ns.summary_out:
+        ns.summary_out.parent.mkdir(parents=True, exist_ok=True)
+        ns.summary_out.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,376 @@
+"""The benchmark harness (bench/run.py) and perf gate (ci/perf_gate.py), without brokers:
+configs, /proc parsing, ratio math, the table, the JSON line schema, the baseline."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load("fastbroker_bench_run", REPO / "bench" / "run.py")
+gate = load("fastbroker_perf_gate", REPO / "ci" / "perf_gate.py")
+
+
+def measurement(scenario, broker, rnd, figures, cpu=50.0, lg_cpu=30.0, error=None):
+    m = bench.Measurement(scenario, broker, rnd, 1, {"payload": 64})
+    m.figures = figures
+    m.loadgen = {**figures, "loadgen_cpu_percent": lg_cpu, "loadgen_cores_busy": lg_cpu / 100}
+    m.broker_cpu_percent = cpu
+    m.broker_rss_kb = 1000
+    m.error = error
+    return m
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def test_mosquitto_config_lifts_limits_and_disables_persistence():
+    text = bench.mosquitto_config_text(18830, as_root=False)
+    lines = set(text.splitlines())
+    assert "listener 18830 127.0.0.1" in lines
+    for line in (
+        "allow_anonymous true",
+        "max_queued_messages 0",
+        "max_inflight_messages 0",
+        "max_queued_bytes 0",
+        "max_connections -1",
+        "persistence false",
+        "set_tcp_nodelay true",
+        "sys_interval 0",
+    ):
+        assert line in lines
+    assert "user root" not in lines
+    assert "user root" in bench.mosquitto_config_text(18830, as_root=True).splitlines()
+
+
+def test_fastbroker_config_lifts_limits(tmp_path):
+    text = bench.fastbroker_config_text(18831, str(tmp_path / "data"))
+    config = tomllib.loads(text)
+    assert config["listener"] == {"host": "127.0.0.1", "port": 18831}
+    assert config["sys"]["interval"] == 0
+    assert config["mqtt"]["max_queued_messages"] == 1_000_000
+    assert config["mqtt"]["max_inflight"] == 65535
+    assert config["mqtt"]["receive_maximum"] == 65535
+    # fastbroker's own loader accepts it (unknown keys or bad values would raise).
+    fb_config = pytest.importorskip("fastbroker.config")
+    path = tmp_path / "fb.toml"
+    path.write_text(text)
+    loaded = fb_config.load_config(path, {})
+    assert loaded.mqtt["max_inflight"] == 65535
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+def test_scenarios_follow_the_loadgen_contract():
+    scenarios = {s.name: s for s in bench.build_scenarios(bench.Settings())}
+    assert list(scenarios) == [
+        "fan-in",
+        "fan-out",
+        "pairs",
+        "qos1",
+        "latency",
+        "connections",
+        "payload-16",
+        "payload-1k",
+        "payload-64k",
+        "loopback",
+    ]
+    settings = bench.Settings(duration=5, warmup=1)
+    args = scenarios["fan-in"].loadgen_args(settings)
+    assert args[:5] == ["fan-in", "--host", "127.0.0.1", "--port", "{port}"]
+    assert " ".join(args[5:]) == "--duration 5 --warmup 1 --publishers 8 --payload 64 --qos 0"
+    conn = " ".join(scenarios["connections"].loadgen_args(settings))
+    assert "--count 15000 --sources 127.0.0.2-127.0.0.16 --hold 3 --concurrency 256" in conn
+    assert " ".join(scenarios["qos1"].loadgen_args(settings)).endswith(
+        "--publishers 8 --inflight 64 --payload 64"
+    )
+    assert "--rate 5000" in " ".join(scenarios["latency"].loadgen_args(settings))
+    assert scenarios["payload-64k"].loadgen_args(settings)[0] == "throughput"
+    loop = scenarios["loopback"].loadgen_args(settings)
+    assert loop[0] == "loopback" and "--port" not in loop
+    quick = {s.name: s for s in bench.build_scenarios(bench.QUICK)}
+    params = quick["connections"].params(bench.QUICK)
+    assert (params["count"], params["hold"], params["duration_s"]) == (3000, 1.5, 2.0)
+
+
+def test_select_scenarios():
+    all_ = bench.build_scenarios(bench.Settings())
+    names = [s.name for s in bench.select_scenarios(all_, "payload,fan-in")]
+    assert names == ["fan-in", "payload-16", "payload-1k", "payload-64k", "loopback"]
+    assert [s.name for s in bench.select_scenarios(all_, "qos1")] == ["qos1"]
+    assert [s.name for s in bench.select_scenarios(all_, "payload-1k")] == [
+        "payload-1k",
+        "loopback",
+    ]
+    with pytest.raises(SystemExit):
+        bench.select_scenarios(all_, "fan-in,nope")
+
+
+def test_broker_order_alternates():
+    assert bench.broker_order(1) == ("fastbroker", "mosquitto")
+    assert bench.broker_order(2) == ("mosquitto", "fastbroker")
+    assert bench.broker_order(3) == ("fastbroker", "mosquitto")
+
+
+# --------------------------------------------------------------------------- /proc, loadgen
+
+
+def test_proc_parsing():
+    stat = "1234 (my (odd) name) S 1 1234 1234 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 4 0"
+    assert bench.parse_proc_stat_cpu(stat) == pytest.approx(300 / bench.CLK_TCK)
+    status = "Name:\tmosquitto\nVmHWM:\t   20480 kB\nVmRSS:\t    8192 kB\n"
+    assert bench.parse_proc_status_kb(status, "VmRSS") == 8192
+    assert bench.parse_proc_status_kb(status, "VmHWM") == 20480
+    assert bench.parse_proc_status_kb(status, "VmSwap") is None
+
+
+def test_cpu_percent_interpolates_over_the_window():
+    samples = [(0.0, 0.0), (1.0, 0.5), (2.0, 1.5), (3.0, 1.5)]
+    assert bench.cpu_percent(samples, 1.0, 2.0) == pytest.approx(100.0)
+    assert bench.cpu_percent(samples, 0.5, 1.5) == pytest.approx(75.0)
+    assert bench.cpu_percent(samples, 2.0, 3.0) == pytest.approx(0.0)
+    assert bench.cpu_percent(samples, -5.0, 10.0) == pytest.approx(50.0)  # clipped
+    assert bench.cpu_percent(samples[:1], 0.0, 1.0) is None
+    assert bench.cpu_percent(samples, 2.0, 1.0) is None
+
+
+def test_parse_loadgen_output():
+    out = (
+        "building...\n"
+        '{"ready": true, "connected": 15000}\n'
+        "not json {\n"
+        '{"scenario": "connections", "connects_per_s": 9000.5, "connected": 15000}\n'
+    )
+    final, ready = bench.parse_loadgen_output(out)
+    assert ready
+    assert final == {"scenario": "connections", "connects_per_s": 9000.5, "connected": 15000}
+    final, ready = bench.parse_loadgen_output('{"scenario": "fan-in"}')
+    assert final == {"scenario": "fan-in"} and not ready
+    assert bench.parse_loadgen_output("") == (None, False)
+
+
+# --------------------------------------------------------------------------- ratios, table
+
+
+def test_round_ratios_pair_rounds():
+    fast = {1: 200.0, 2: 300.0, 3: 100.0}
+    mosq = {1: 100.0, 2: 100.0, 4: 50.0}
+    assert bench.round_ratios(fast, mosq) == [2.0, 3.0]
+    assert bench.round_ratios({1: 5.0}, {1: 0.0}) == []
+    assert bench.spread([2.0, 3.0, 1.0]) == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 3}
+    assert bench.spread([]) is None
+    assert bench.fmt_ratio([1.0, 2.0, 4.0]) == "1.00-2.00-4.00"
+
+
+def test_rows_and_table():
+    settings = bench.Settings(payloads=(1024,))
+    scenarios = bench.select_scenarios(bench.build_scenarios(settings), "fan-in,latency,payload-1k")
+    ms = []
+    for rnd, (fb, mq) in enumerate([(200, 100), (300, 100), (210, 100)], 1):
+        ms.append(measurement("fan-in", "fastbroker", rnd, {"delivered_per_s": fb}))
+        ms.append(measurement("fan-in", "mosquitto", rnd, {"delivered_per_s": mq}))
+        lat_fb = {"p50_us": 50, "p99_us": 100 * rnd, "p999_us": 400}
+        lat_mq = {"p50_us": 100, "p99_us": 200, "p999_us": 400}
+        ms.append(measurement("latency", "fastbroker", rnd, lat_fb))
+        ms.append(measurement("latency", "mosquitto", rnd, lat_mq))
+        ms.append(measurement("payload-1k", "fastbroker", rnd, {"mb_per_s": 500.0}))
+        ms.append(measurement("payload-1k", "mosquitto", rnd, {"mb_per_s": 250.0}))
+        ms.append(measurement("loopback", "none", rnd, {"mb_per_s": 5000.0}))
+    ms.append(measurement("fan-in", "mosquitto", 4, {}, error="RuntimeError: boom"))
+    rows = {r.row_id: r for r in bench.build_rows(scenarios, ms)}
+    assert rows["fan-in:delivered_per_s"].ratios == [2.0, 3.0, 2.1]
+    assert rows["fan-in:delivered_per_s"].failures == 1
+    assert rows["latency:p99_us"].ratios == [0.5, 1.0, 1.5]
+    assert rows["latency:p99_us"].figure.direction == "lower"
+    assert not rows["latency:p99_us"].first and rows["latency:p50_us"].first
+    assert rows["loopback:mb_per_s"].ratios == []
+    table = bench.render_table(list(rows.values()), ceiling=5000.0)
+    lines = table.splitlines()
+    assert "ratio fb/mosq min-median-max" in lines[0]
+    fan_in = next(line for line in lines if line.startswith("| fan-in"))
+    assert "2.00-2.10-3.00" in fan_in and "210" in fan_in and "1 failed run" in fan_in
+    p99 = next(line for line in lines if "p99 latency" in line)
+    assert "(lower is better)" in p99 and "0.50-1.00-1.50" in p99
+    assert "10% / 5% of ceiling" in table
+    assert "(ceiling, no broker)" in table
+    assert len({len(line) for line in lines}) == 1  # aligned
+    json.dumps([r.to_json() for r in rows.values()])
+
+
+def test_json_line_schema():
+    m = measurement("qos1", "mosquitto", 2, {"acked_per_s": 1000.0, "delivered_per_s": 990.0})
+    run = {
+        "run_id": "r1",
+        "git_sha": "abc",
+        "git_dirty": False,
+        "hostname": "h",
+        "cpu_count": 2,
+        "broker_versions": {"mosquitto": "2.0.11"},
+    }
+    line = json.loads(json.dumps(bench.json_line(m, run)))
+    for key in (
+        "schema",
+        "run_id",
+        "git_sha",
+        "hostname",
+        "timestamp",
+        "broker",
+        "broker_version",
+        "round",
+        "scenario",
+        "params",
+        "figures",
+        "broker_cpu_percent",
+        "broker_rss_kb",
+        "loadgen_cpu_percent",
+        "ok",
+        "error",
+    ):
+        assert key in line, key
+    assert line["schema"] == bench.SCHEMA
+    assert line["broker"] == "mosquitto" and line["broker_version"] == "2.0.11"
+    assert line["round"] == 2 and line["scenario"] == "qos1" and line["ok"] is True
+    assert line["figures"]["acked_per_s"] == 1000.0
+    assert line["timestamp"].endswith("Z")
+
+
+# --------------------------------------------------------------------------- perf gate
+
+
+def test_gate_limits():
+    up = {"ratio": 2.0, "tolerance": 0.25, "direction": "higher"}
+    assert gate.limit_for(up) == pytest.approx(1.5)
+    assert gate.check_row(up, 1.6) == "PASS"
+    assert gate.check_row(up, 1.4) == "FAIL"
+    assert gate.check_row(up, None) == "MISSING"
+    down = {"ratio": 0.5, "tolerance": 0.5, "direction": "lower"}
+    assert gate.limit_for(down) == pytest.approx(0.75)
+    assert gate.check_row(down, 0.7) == "PASS"
+    assert gate.check_row(down, 0.8) == "FAIL"
+
+
+def test_gate_compare_and_new_baseline():
+    summary = {
+        "run_id": "r",
+        "rows": [
+            {
+                "id": "fan-in:delivered_per_s",
+                "direction": "higher",
+                "label": "delivered msg/s",
+                "ratio": {"min": 1.8, "median": 2.0, "max": 2.2, "n": 3},
+                "ratios": [1.8, 2.0, 2.2],
+            },
+            {
+                "id": "latency:p99_us",
+                "direction": "lower",
+                "label": "p99",
+                "ratio": {"min": 0.4, "median": 0.5, "max": 0.6, "n": 3},
+                "ratios": [0.4, 0.5, 0.6],
+            },
+            {"id": "loopback:mb_per_s", "direction": "higher", "label": "x", "ratio": None},
+        ],
+    }
+    old = {"ratios": {"latency:p99_us": {"ratio": 1, "tolerance": 0.6, "gate": False}}}
+    other = json.loads(json.dumps(summary))
+    other["rows"][0]["ratio"]["median"] = 3.0
+    third = json.loads(json.dumps(summary))
+    third["rows"][0]["ratio"]["median"] = 1.0
+    new = gate.new_baseline([summary, other, third], old, ["x"])
+    assert set(new["ratios"]) == {"fan-in:delivered_per_s", "latency:p99_us"}
+    fan_in = new["ratios"]["fan-in:delivered_per_s"]
+    assert fan_in["ratio"] == 2.0 and fan_in["run_medians"] == [2.0, 3.0, 1.0]
+    assert fan_in["tolerance"] == gate.DEFAULT_TOLERANCE
+    assert new["ratios"]["latency:p99_us"] == {
+        "ratio": 0.5,
+        "tolerance": 0.6,
+        "direction": "lower",
+        "label": "p99",
+        "run_medians": [0.5, 0.5, 0.5],
+        "gate": False,
+    }
+    baseline = {
+        "ratios": {
+            "fan-in:delivered_per_s": {"ratio": 2.8, "tolerance": 0.25, "direction": "higher"},
+            "qos1:acked_per_s": {"ratio": 1.0, "tolerance": 0.25, "direction": "higher"},
+            "latency:p99_us": {"ratio": 0.5, "gate": False},
+        }
+    }
+    results = gate.compare(baseline, gate.measured_ratios(summary))
+    assert [(rid, status) for rid, _, _, status in results] == [
+        ("fan-in:delivered_per_s", "FAIL"),  # 2.0 < 2.8 * 0.75
+        ("qos1:acked_per_s", "MISSING"),
+    ]
+    assert "FAIL" in gate.render(results, gate.measured_ratios(summary), {})
+
+
+def test_committed_baseline_matches_the_harness():
+    path = REPO / "ci" / "perf-baseline.json"
+    baseline = json.loads(path.read_text())
+    ids = {
+        bench.row_id(s.name, f.key): f.direction
+        for s in bench.build_scenarios(bench.QUICK)
+        for f in s.figures
+    }
+    assert baseline["ratios"]
+    for rid, entry in baseline["ratios"].items():
+        assert rid in ids, f"{rid} is not a row of bench/run.py --quick"
+        assert entry["direction"] == ids[rid]
+        assert entry["ratio"] > 0
+        assert 0 < entry["tolerance"] < 1
+
+
+def test_measured_window():
+    run = bench.LoadgenRun(0, "", start=100.0, end=104.0, publishing_at=100.5)
+    assert bench.measured_window(run, warmup=1.0, duration=2.0) == pytest.approx((101.7, 103.7))
+    run.publishing_at = None  # no marker: the last `duration` s before exit, less the grace
+    assert bench.measured_window(run, warmup=1.0, duration=2.0) == pytest.approx((101.0, 103.0))
+
+
+def test_check_loadgen_result():
+    ok = bench.LoadgenRun(0, "", 0.0, 1.0)
+    bench.check_loadgen_result(ok, {"scenario": "fan-in"})
+    partial = bench.LoadgenRun(3, "", 0.0, 1.0)  # some connections failed: figures kept
+    bench.check_loadgen_result(partial, {"scenario": "connections", "errors": 2})
+    with pytest.raises(RuntimeError, match="refused"):
+        bench.check_loadgen_result(
+            bench.LoadgenRun(1, "", 0.0, 1.0), {"scenario": "qos1", "error": "refused"}
+        )
+    with pytest.raises(RuntimeError, match="exit code 2"):
+        bench.check_loadgen_result(bench.LoadgenRun(2, "", 0.0, 1.0), None)
+    with pytest.raises(RuntimeError, match="timed out"):
+        bench.check_loadgen_result(bench.LoadgenRun(None, "", 0.0, 1.0, timed_out=True), None)
+
+
+def test_run_notes():
+    ms = [
+        measurement("fan-in", "fastbroker", r, {"delivered_per_s": 1.0, "delivery_ratio": 0.3})
+        for r in (1, 2, 3)
+    ]
+    ms.append(measurement("fan-in", "mosquitto", 1, {"delivery_ratio": 1.0}, lg_cpu=95.0))
+    ms.append(measurement("connections", "mosquitto", 1, {"errors": 4}))
+    ms.append(measurement("pairs", "mosquitto", 2, {}, error="RuntimeError: boom"))
+    notes = bench.run_notes(ms)
+    assert any(n.startswith("fastbroker fan-in: delivered 30%") for n in notes)
+    assert not any(n.startswith("mosquitto fan-in: delivered") for n in notes)
+    assert any("loadgen used 95%" in n and "mosquitto" in n for n in notes)
+    assert any("4 errors in connections mosquitto round 1" in n for n in notes)
+    assert "FAILED run: pairs mosquitto round 2: RuntimeError: boom" in notes
+    loopback = [measurement("loopback", "none", 1, {"mb_per_s": 900.0}, lg_cpu=150.0)]
+    assert bench.run_notes(loopback) == []  # the loopback copy is all loadgen, by design
