@@ -15,12 +15,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import fastbroker_core
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
-# MQTT's largest packet: 1 fixed-header byte, 4 length bytes, 268435455 bytes of remainder.
-MQTT_MAX_PACKET_SIZE = 268_435_460
 U16_MAX = 65_535
-U32_MAX = 4_294_967_295
 # Nothing sensible is bigger; bounds the values handed to the engine's unsigned integers.
 U63_MAX = 2**63 - 1
 
@@ -89,12 +88,6 @@ def number(minimum: float) -> Check:
     return check
 
 
-def boolean(value: Any) -> bool:
-    if type(value) is not bool:
-        raise ValueError("expected true or false")
-    return value
-
-
 def nonempty_string(value: Any) -> str:
     if type(value) is not str or not value:
         raise ValueError("expected a non-empty string")
@@ -113,31 +106,6 @@ def log_level(value: Any) -> str:
     return value.lower()
 
 
-def topic_filter_list(value: Any) -> list[str]:
-    if type(value) is not list:
-        raise ValueError("expected a list of topic filters")
-    for topic_filter in value:
-        if not is_valid_topic_filter(topic_filter):
-            raise ValueError(f"invalid topic filter {reprlib.repr(topic_filter)}")
-    return value
-
-
-def is_valid_topic_filter(topic_filter: Any) -> bool:
-    """MQTT rules: non-empty UTF-8 without NUL, at most 65535 bytes, `+` a whole level, `#` a
-    whole last level."""
-    if type(topic_filter) is not str or not topic_filter or "\0" in topic_filter:
-        return False
-    if len(topic_filter.encode("utf-8", "surrogatepass")) > U16_MAX:
-        return False
-    levels = topic_filter.split("/")
-    for index, level in enumerate(levels):
-        if "+" in level and level != "+":
-            return False
-        if "#" in level and (level != "#" or index != len(levels) - 1):
-            return False
-    return True
-
-
 SCHEMA: dict[str, dict[str, Check]] = {
     "listener": {
         "host": host_name,
@@ -147,23 +115,8 @@ SCHEMA: dict[str, dict[str, Check]] = {
     "storage": {"data_dir": nonempty_string},
     "log": {"level": log_level},
     "sys": {"interval": number(0)},
-    # Handed to fastbroker_core.Engine as is; checked here so mistakes fail before it starts.
-    "mqtt": {
-        "max_packet_size": integer(1, MQTT_MAX_PACKET_SIZE),
-        "max_keepalive": integer(0, U16_MAX),
-        "receive_maximum": integer(1, U16_MAX),
-        "max_inflight": integer(1, U16_MAX),
-        "max_queued_messages": integer(0, U63_MAX),
-        "max_queued_bytes": integer(0, U63_MAX),
-        "topic_alias_maximum": integer(0, U16_MAX),
-        "outgoing_topic_aliases": boolean,
-        "maximum_qos": integer(0, 2),
-        "retain_available": boolean,
-        "max_session_expiry": integer(0, U32_MAX),
-        "connect_timeout_ms": integer(0, U63_MAX),
-        "denied_subscriptions": topic_filter_list,
-        "max_client_id_len": integer(1, U16_MAX),
-    },
+    # Handed to fastbroker_core.Engine as is, which checks it (check_mqtt): one set of rules.
+    "mqtt": {},
 }
 
 SECTION_TYPES: dict[str, type] = {
@@ -219,6 +172,9 @@ def validate_tables(tables: Mapping[str, Any], source: str) -> dict[str, dict[st
             raise ConfigError(f"{source}: unknown table [{table}] (known: {', '.join(SCHEMA)})")
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: {table}: expected a table [{table}]")
+        if table == "mqtt":
+            sections[table] = check_mqtt(values, source)
+            continue
         checks = SCHEMA[table]
         checked: dict[str, Any] = {}
         for key, value in values.items():
@@ -234,6 +190,22 @@ def validate_tables(tables: Mapping[str, Any], source: str) -> dict[str, dict[st
                 ) from None
         sections[table] = checked
     return sections
+
+
+def check_mqtt(values: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The [mqtt] keys, checked by the engine itself so its rules live in one place (the
+    Rust `Config::set`); each key is tried alone so the error names the one at fault."""
+    for key, value in values.items():
+        try:
+            # "version" is the broker's own, set at startup, not a user setting.
+            if key == "version":
+                raise ValueError(f"unknown setting {key!r}")
+            fastbroker_core.Engine({key: value})
+        except ValueError as error:
+            raise ConfigError(
+                f"{source}: [mqtt] {key}: {error}, got {one_line(reprlib.repr(value))}"
+            ) from None
+    return dict(values)
 
 
 def one_line(text: str) -> str:
