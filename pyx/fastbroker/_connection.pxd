@@ -16,11 +16,20 @@ cdef class Server:
     cdef list connections
     cdef bint flush_scheduled
     cdef readonly Py_ssize_t write_buffer_high
+    cdef readonly Py_ssize_t write_buffer_low
+    # Connections the engine was told not to write to; re-checked on every flush and tick.
+    cdef set paused
+    # Bytes a connection may feed per loop iteration before its reading pauses until the
+    # flush: libuv reads a busy socket up to 32 times per iteration, so without this one
+    # iteration can swallow hundreds of MB from fast publishers before anything is written.
+    cdef readonly Py_ssize_t read_budget
+    cdef list fed_connections
     cdef readonly double tick_interval
     cdef object tick_handle
     # Bound methods looked up once: the per-read path must not pay attribute lookups.
     cdef object engine_feed
     cdef object engine_drain
+    cdef object engine_has_output
     cdef object loop_call_soon
     cdef object flush_callback
 
@@ -29,6 +38,8 @@ cdef class Server:
     cdef register(self, Connection connection)
     cdef unregister(self, Py_ssize_t conn_id)
     cdef log_engine_events(self)
+    cdef recheck_paused(self)
+    cdef reset_read_budgets(self)
 
 
 @cython.final
@@ -36,3 +47,9 @@ cdef class Connection:
     cdef readonly Py_ssize_t conn_id
     cdef readonly object transport
     cdef Server server
+    cdef bint paused
+    cdef bint reading_paused
+    cdef Py_ssize_t fed_bytes
+
+    cdef pause(self)
+    cdef resume(self)

@@ -24,6 +24,8 @@ EVENT_LOG_LEVELS = {
 }
 
 DEFAULT_TICK_INTERVAL = 0.1
+# One uvloop read is at most 256 KiB.
+DEFAULT_READ_BUDGET = 256 * 1024
 
 
 cdef uint64_t monotonic_now_ms() noexcept nogil:
@@ -42,16 +44,23 @@ cdef class Server:
     """Owns the engine's connections on one event loop and moves the engine's output to them."""
 
     def __init__(self, engine, loop, Py_ssize_t write_buffer_high,
-                 double tick_interval=DEFAULT_TICK_INTERVAL):
+                 double tick_interval=DEFAULT_TICK_INTERVAL,
+                 Py_ssize_t read_budget=DEFAULT_READ_BUDGET):
         self.engine = engine
         self.loop = loop
         self.connections = []
         self.flush_scheduled = False
         self.write_buffer_high = write_buffer_high
+        # asyncio's default low mark is a quarter of the high one.
+        self.write_buffer_low = write_buffer_high // 4
+        self.paused = set()
+        self.read_budget = read_budget
+        self.fed_connections = []
         self.tick_interval = tick_interval
         self.tick_handle = None
         self.engine_feed = engine.feed
         self.engine_drain = engine.drain
+        self.engine_has_output = engine.has_output
         self.loop_call_soon = loop.call_soon
         self.flush_callback = self.flush
 
@@ -79,6 +88,10 @@ cdef class Server:
         cdef Py_ssize_t conn_id
         cdef Connection connection
         self.flush_scheduled = False
+        if self.fed_connections:
+            self.reset_read_budgets()
+        if self.paused:
+            self.recheck_paused()
         for conn_id, data, close in self.engine_drain():
             if conn_id < 0 or conn_id >= len(connections):
                 continue
@@ -90,12 +103,19 @@ cdef class Server:
             try:
                 if data:
                     connection.transport.write(data)
+                    if (not connection.paused and connection.transport is not None
+                            and connection.transport.get_write_buffer_size()
+                            > self.write_buffer_high):
+                        connection.pause()
                 if close:
                     # close() still sends what write() buffered.
                     connection.transport.close()
             except Exception:
                 logger.exception("writing to connection %d failed; aborting it", conn_id)
                 connection.transport.abort()
+        # A long queue is sent a slice per loop iteration: go on in the next one.
+        if self.engine_has_output():
+            self.schedule_flush()
 
     def start_ticking(self):
         """Starts the periodic ``engine.tick`` (timeouts, expiry) and event logging."""
@@ -110,6 +130,8 @@ cdef class Server:
     def on_tick(self):
         # Rescheduled first so one failing tick does not stop timeouts for good.
         self.tick_handle = self.loop.call_later(self.tick_interval, self.on_tick)
+        if self.paused:
+            self.recheck_paused()
         self.engine.tick(monotonic_now_ms())
         self.log_engine_events()
         if self.engine.has_output():
@@ -141,6 +163,28 @@ cdef class Server:
         if 0 <= conn_id < len(self.connections):
             self.connections[conn_id] = None
 
+    cdef recheck_paused(self):
+        # uvloop 0.23 sometimes never calls resume_writing after pause_writing although the
+        # buffer has drained (seen under 50 paused subscribers at once); without this check
+        # such a subscriber gets nothing more, ever. Only paused connections are looked at.
+        cdef Connection connection
+        for connection in list(self.paused):
+            if connection.transport is None:
+                self.paused.discard(connection)
+            elif connection.transport.get_write_buffer_size() <= self.write_buffer_low:
+                connection.resume()
+
+    cdef reset_read_budgets(self):
+        cdef Connection connection
+        cdef list fed = self.fed_connections
+        self.fed_connections = []
+        for connection in fed:
+            connection.fed_bytes = 0
+            if connection.reading_paused:
+                connection.reading_paused = False
+                if connection.transport is not None:
+                    connection.transport.resume_reading()
+
     cdef log_engine_events(self):
         # Drained even when nothing is logged, so the engine's event buffer stays bounded.
         events = self.engine.events()
@@ -158,6 +202,9 @@ cdef class Connection:
         self.server = server
         self.conn_id = -1
         self.transport = None
+        self.paused = False
+        self.reading_paused = False
+        self.fed_bytes = 0
 
     def connection_made(self, transport):
         self.transport = transport
@@ -177,6 +224,13 @@ cdef class Connection:
     def data_received(self, data):
         cdef Server server = self.server
         server.engine_feed(self.conn_id, data, monotonic_now_ms())
+        if self.fed_bytes == 0:
+            server.fed_connections.append(self)
+        self.fed_bytes += len(data)
+        if self.fed_bytes >= server.read_budget and self.transport is not None:
+            # Resumed by the next flush, once this iteration's output is written.
+            self.reading_paused = True
+            self.transport.pause_reading()
         if not server.flush_scheduled:
             server.flush_scheduled = True
             server.loop_call_soon(server.flush_callback)
@@ -189,6 +243,9 @@ cdef class Connection:
         cdef Server server = self.server
         cdef Py_ssize_t conn_id = self.conn_id
         self.transport = None
+        if self.paused:
+            self.paused = False
+            server.paused.discard(self)
         if conn_id < 0:
             return
         self.conn_id = -1
@@ -198,10 +255,23 @@ cdef class Connection:
         server.schedule_flush()
 
     def pause_writing(self):
-        if self.conn_id >= 0:
-            self.server.engine.set_writable(self.conn_id, False, monotonic_now_ms())
+        self.pause()
 
     def resume_writing(self):
+        self.resume()
+
+    cdef pause(self):
+        if self.paused or self.conn_id < 0:
+            return
+        self.paused = True
+        self.server.paused.add(self)
+        self.server.engine.set_writable(self.conn_id, False, monotonic_now_ms())
+
+    cdef resume(self):
+        if not self.paused:
+            return
+        self.paused = False
+        self.server.paused.discard(self)
         if self.conn_id >= 0:
             self.server.engine.set_writable(self.conn_id, True, monotonic_now_ms())
             # The engine held this connection's output back; send it now.

@@ -11,13 +11,16 @@ def monotonic_ms() -> int: ...
 class Server:
     engine: Any
     write_buffer_high: int
+    write_buffer_low: int
     tick_interval: float
+    read_budget: int
     def __init__(
         self,
         engine: Any,
         loop: asyncio.AbstractEventLoop,
         write_buffer_high: int,
         tick_interval: float = ...,
+        read_budget: int = ...,
     ) -> None: ...
     def new_connection(self) -> Connection: ...
     @property

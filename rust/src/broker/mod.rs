@@ -50,6 +50,10 @@ pub struct Engine {
     retained: RetainedTree<Arc<Message>>,
     /// Connections with output or a close request since the last `drain`.
     dirty: Vec<ConnId>,
+    /// Sessions whose queue pump stopped at PUMP_BUDGET and goes on after the next drain.
+    pending_pump: Vec<SessionId>,
+    /// The latest time the caller gave; drain has no clock of its own.
+    last_now: u64,
     events: Vec<Event>,
     stats: Stats,
     assigned_ids: u64,
@@ -69,6 +73,8 @@ impl Engine {
             subs: SubscriptionIndex::new(),
             retained: RetainedTree::new(),
             dirty: Vec::new(),
+            pending_pump: Vec::new(),
+            last_now: 0,
             events: Vec::new(),
             stats: Stats::default(),
             assigned_ids: 0,
@@ -83,6 +89,7 @@ impl Engine {
 
     /// A new network connection.
     pub fn open(&mut self, now: u64) -> ConnId {
+        self.last_now = now;
         let conn = Conn::new(now);
         match self.free_conns.pop() {
             Some(id) => {
@@ -98,6 +105,7 @@ impl Engine {
 
     /// Bytes read from `id`: decodes and handles every whole packet in them.
     pub fn feed(&mut self, id: ConnId, data: &[u8], now: u64) {
+        self.last_now = now;
         let Some(conn) = self.conn_mut(id) else {
             return;
         };
@@ -136,6 +144,7 @@ impl Engine {
 
     /// The connection is gone: closed by the peer, or by the caller after `drain` asked.
     pub fn closed(&mut self, id: ConnId, now: u64) {
+        self.last_now = now;
         let Some(conn) = self.conn_mut(id) else {
             return;
         };
@@ -150,6 +159,7 @@ impl Engine {
 
     /// The transport's write buffer went above (false) or back below (true) its high mark.
     pub fn set_writable(&mut self, id: ConnId, writable: bool, now: u64) {
+        self.last_now = now;
         let Some(conn) = self.conn_mut(id) else {
             return;
         };
@@ -205,6 +215,15 @@ impl Engine {
         dirty.clear();
         if self.dirty.is_empty() {
             self.dirty = dirty;
+        }
+        // Pumps that stopped at their budget go on now; their output is for the next drain
+        // (`has_output` tells the caller there is one).
+        let pending = std::mem::take(&mut self.pending_pump);
+        for sid in pending {
+            if let Some(session) = self.session_mut(sid) {
+                session.pump_pending = false;
+                self.pump(sid, self.last_now);
+            }
         }
     }
 

@@ -363,10 +363,26 @@ impl Engine {
         self.stats.publish_dropped += dropped;
     }
 
-    /// Sends queued messages while the window and the transport allow.
+    /// Sends queued messages while the window and the transport allow, up to PUMP_BUDGET
+    /// bytes of output; `drain` continues a pump that stopped at the budget.
     pub(super) fn pump(&mut self, sid: SessionId, now: u64) {
         loop {
             let Some(free) = self.window(sid) else { return };
+            let session = self.session_mut(sid).expect("window checked");
+            if session.queue.is_empty() {
+                return;
+            }
+            let cid = session.conn.expect("window checked");
+            if self.conn(cid).is_some_and(|c| c.out.len() >= PUMP_BUDGET) {
+                // A long queue (a resumed slow subscriber) is sent over several loop
+                // iterations, so other clients' reads and writes go on in between.
+                let session = self.session_mut(sid).expect("window checked");
+                if !session.pump_pending {
+                    session.pump_pending = true;
+                    self.pending_pump.push(sid);
+                }
+                return;
+            }
             let session = self.session_mut(sid).expect("window checked");
             let Some(front) = session.queue.front() else {
                 return;
@@ -376,7 +392,6 @@ impl Engine {
             }
             let d = session.queue.pop_front().expect("front exists");
             session.queued_bytes -= d.msg.payload.len();
-            let cid = session.conn.expect("window checked");
             if d.msg.expired(now) {
                 continue;
             }
@@ -502,6 +517,9 @@ fn message_of(p: Publish, origin: SessionId, now: u64) -> Message {
         origin,
     }
 }
+
+/// Output a pump may add to one connection between two drains.
+pub(super) const PUMP_BUDGET: usize = 512 * 1024;
 
 /// Below this size a payload is copied out of the read buffer it was parsed from.
 const COPY_PAYLOAD_BELOW: usize = 64 * 1024;

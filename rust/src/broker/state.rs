@@ -148,6 +148,8 @@ pub struct Session {
     /// Sent, not yet acknowledged, in send order.
     pub inflight: VecDeque<Inflight>,
     pub next_pkid: u16,
+    /// In the engine's pending-pump list (queue sending stopped at its budget).
+    pub pump_pending: bool,
     /// QoS 2 packet ids received and passed on, awaiting PUBREL: a repeat is not delivered
     /// again.
     pub inbound_qos2: HashSet<u16>,
@@ -165,6 +167,7 @@ impl Session {
             disconnected_at: None,
             queue: VecDeque::new(),
             queued_bytes: 0,
+            pump_pending: false,
             inflight: VecDeque::new(),
             next_pkid: 1,
             inbound_qos2: HashSet::new(),

@@ -543,6 +543,62 @@ fn slow_consumer_queue_is_bounded() {
 }
 
 #[test]
+fn resumed_long_queue_is_sent_a_budget_per_drain_in_order() {
+    let cfg = Config {
+        max_queued_messages: 1_000_000,
+        ..Config::default()
+    };
+    let mut h = Harness::with(cfg);
+    let sub = h.connect("slow", Protocol::V311, true);
+    h.subscribe(sub, "f", QoS::AtMostOnce);
+    h.e.set_writable(sub, false, h.now);
+    let publ = h.connect("pub", Protocol::V311, true);
+    // About 3.5 budgets' worth of 1 KiB messages.
+    let n = 3 * super::router::PUMP_BUDGET / 1000 + 300;
+    let payload = "x".repeat(1000);
+    for i in 0..n {
+        h.publish(
+            publ,
+            "f",
+            &format!("{i:06}{payload}"),
+            QoS::AtMostOnce,
+            false,
+        );
+    }
+    h.recv();
+    h.e.set_writable(sub, true, h.now);
+    let mut got = Vec::new();
+    let mut drains = 0;
+    loop {
+        let mut bytes = 0;
+        h.e.drain(|id, data, _| {
+            if id == sub {
+                bytes += data.len();
+                h.rx.entry(id).or_default().extend_from_slice(data);
+            }
+        });
+        let buf = h.rx.entry(sub).or_default();
+        while let Some(p) = codec::decode(buf, Protocol::V311, usize::MAX).unwrap() {
+            if let Packet::Publish(p) = p {
+                got.push(String::from_utf8(p.payload[..6].to_vec()).unwrap());
+            }
+        }
+        assert!(
+            bytes < super::router::PUMP_BUDGET + 2048,
+            "one drain carried {bytes} bytes"
+        );
+        if !h.e.has_output() {
+            break;
+        }
+        drains += 1;
+    }
+    assert!(drains >= 3, "the queue went out in {drains} extra drains");
+    let want: Vec<String> = (0..n).map(|i| format!("{i:06}")).collect();
+    assert_eq!(got, want);
+    assert_eq!(h.e.queued_count(), 0);
+}
+
+#[test]
 fn packet_before_connect_closes_silently() {
     let mut h = Harness::new();
     let id = h.e.open(h.now);

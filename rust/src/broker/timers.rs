@@ -9,6 +9,7 @@ const RETAINED_PURGE_MS: u64 = 10_000;
 
 impl Engine {
     pub fn tick(&mut self, now: u64) {
+        self.last_now = now;
         let connect_timeout = self.cfg.connect_timeout_ms;
         let mut to_close: Vec<(ConnId, bool)> = Vec::new();
         for (i, conn) in self.conns.iter().enumerate() {

@@ -1,0 +1,121 @@
+"""Fairness of the connection layer under a flood, with the real layer on uvloop in this process
+and raw-socket clients in a thread.
+
+libuv reads a busy socket up to 32 times per loop iteration. Without a per-iteration read budget,
+one flooding publisher could make the engine route megabytes before a single byte is written to
+subscribers (the flush runs once per iteration), and the whole broker stalls for seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import fastbroker_core
+import pytest
+import uvloop
+
+from fastbroker._connection import Server
+
+CONNECT_SUB = bytes([0x10, 15, 0, 4]) + b"MQTT" + bytes([4, 2, 0, 0, 0, 3]) + b"sub"
+CONNECT_PUB = bytes([0x10, 15, 0, 4]) + b"MQTT" + bytes([4, 2, 0, 0, 0, 3]) + b"pub"
+SUBSCRIBE = bytes([0x82, 8, 0, 1, 0, 3]) + b"t/#" + bytes([0])
+PAYLOAD = b"x" * 64
+PUBLISH = bytes([0x30, 2 + 3 + len(PAYLOAD), 0, 3]) + b"t/a" + PAYLOAD
+FLOOD_BYTES = 16 * 1024 * 1024
+
+
+class FeedPerFlush:
+    """Forwards to the real engine; records the bytes each connection fed between two drains."""
+
+    def __init__(self, engine: fastbroker_core.Engine) -> None:
+        self.engine = engine
+        self.current: dict[int, int] = {}
+        self.max_per_flush = 0
+
+    def feed(self, conn: int, data: bytes, now: int) -> None:
+        self.current[conn] = self.current.get(conn, 0) + len(data)
+        self.engine.feed(conn, data, now)
+
+    def drain(self):
+        if self.current:
+            self.max_per_flush = max(self.max_per_flush, max(self.current.values()))
+        self.current = {}
+        return self.engine.drain()
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+
+def read_exactly(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(min(n - len(data), 1 << 20))
+        if not chunk:
+            raise ConnectionError("broker closed the connection")
+        data += chunk
+    return bytes(data)
+
+
+def flood(read_budget: int) -> int:
+    """Floods 16 MiB of QoS 0 publishes through the layer; returns the most bytes one
+    connection fed between two flushes. Every publish must reach the subscriber."""
+    loop = uvloop.new_event_loop()
+    engine = FeedPerFlush(fastbroker_core.Engine({"max_queued_messages": 1_000_000}))
+    server = Server(engine, loop, 1 << 20, read_budget=read_budget)
+    listener = loop.run_until_complete(loop.create_server(server.new_connection, "127.0.0.1", 0))
+    port = listener.sockets[0].getsockname()[1]
+    n = FLOOD_BYTES // len(PUBLISH)
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def clients() -> None:
+        try:
+            sub = socket.create_connection(("127.0.0.1", port), timeout=20)
+            pub = socket.create_connection(("127.0.0.1", port), timeout=20)
+            sub.sendall(CONNECT_SUB)
+            read_exactly(sub, 4)
+            sub.sendall(SUBSCRIBE)
+            read_exactly(sub, 5)
+            pub.sendall(CONNECT_PUB)
+            read_exactly(pub, 4)
+            # Large socket buffers let libuv find plenty to read at once.
+            pub.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+            sender = threading.Thread(target=pub.sendall, args=(PUBLISH * n,), daemon=True)
+            sender.start()
+            got = read_exactly(sub, len(PUBLISH) * n)
+            assert got == PUBLISH * n
+            sender.join(20)
+            sub.close()
+            pub.close()
+        except BaseException as error:  # reported by the test thread
+            errors.append(error)
+        finally:
+            done.set()
+
+    async def run() -> None:
+        while not done.is_set():
+            await asyncio.sleep(0.01)
+
+    thread = threading.Thread(target=clients, daemon=True)
+    thread.start()
+    try:
+        loop.run_until_complete(asyncio.wait_for(run(), 60))
+    finally:
+        thread.join(5)
+        listener.close()
+        server.close_connections()
+        loop.run_until_complete(asyncio.sleep(0.05))
+        loop.close()
+    assert not errors, errors
+    return engine.max_per_flush
+
+
+@pytest.mark.timeout(120)
+def test_a_flooding_publisher_is_read_at_most_a_budget_per_flush():
+    budget = 256 * 1024
+    most = flood(budget)
+    print(f"\nmost bytes fed by one connection between two flushes: {most}")
+    # One read may overshoot the budget by at most one read (uvloop reads up to 256 KiB).
+    assert most <= budget + 256 * 1024
