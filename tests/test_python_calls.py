@@ -9,6 +9,7 @@ that counts the calls the connection layer makes into it. Clients are raw socket
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import sys
 import threading
@@ -121,6 +122,10 @@ def measure(n_publishes: int) -> tuple[Counter[str], Counter[str]]:
         server.close_connections()
         loop.run_until_complete(asyncio.sleep(0.05))
         loop.close()
+        # The server and its connections form cycles around the engine, which may only be
+        # freed on this thread: collect them now, not in some client library's thread.
+        server = None
+        gc.collect()
     assert not errors, errors
     return engine.calls, events
 
