@@ -77,7 +77,7 @@ fn client(engine: &mut Engine, n: usize, protocol: Protocol, filter: Option<&str
                 retain_as_published: false,
                 retain_handling: 0,
             }],
-            properties: Properties::default(),
+            properties: None,
         });
         engine.feed(id, &bytes_of(&[sub], protocol), NOW);
     }

@@ -232,7 +232,7 @@ fn packet_to_dict<'py>(py: Python<'py>, p: &Packet) -> PyResult<Bound<'py, PyDic
         }
         Packet::ConnAck(c) => {
             d.set_item("session_present", c.session_present)?;
-            reason_and_props(c.reason_code, &c.properties)?;
+            reason_and_props(c.reason_code, c.props())?;
         }
         Packet::Publish(p) => {
             d.set_item("dup", p.dup)?;
@@ -241,12 +241,12 @@ fn packet_to_dict<'py>(py: Python<'py>, p: &Packet) -> PyResult<Bound<'py, PyDic
             // The decoder checked the topic is UTF-8.
             d.set_item("topic", String::from_utf8_lossy(&p.topic))?;
             d.set_item("pkid", p.pkid)?;
-            d.set_item("properties", props_to_dict(py, &p.properties)?)?;
+            d.set_item("properties", props_to_dict(py, p.props())?)?;
             d.set_item("payload", PyBytes::new(py, &p.payload))?;
         }
         Packet::PubAck(a) | Packet::PubRec(a) | Packet::PubRel(a) | Packet::PubComp(a) => {
             d.set_item("pkid", a.pkid)?;
-            reason_and_props(a.reason_code, &a.properties)?;
+            reason_and_props(a.reason_code, a.props())?;
         }
         Packet::Subscribe(s) => {
             d.set_item("pkid", s.pkid)?;
@@ -261,27 +261,27 @@ fn packet_to_dict<'py>(py: Python<'py>, p: &Packet) -> PyResult<Bound<'py, PyDic
                 filters.append(fd)?;
             }
             d.set_item("filters", filters)?;
-            d.set_item("properties", props_to_dict(py, &s.properties)?)?;
+            d.set_item("properties", props_to_dict(py, s.props())?)?;
         }
         Packet::SubAck(s) => {
             d.set_item("pkid", s.pkid)?;
             // A list of ints, not bytes (which is what Vec<u8> would become).
             d.set_item("reason_codes", PyList::new(py, &s.reason_codes)?)?;
-            d.set_item("properties", props_to_dict(py, &s.properties)?)?;
+            d.set_item("properties", props_to_dict(py, s.props())?)?;
         }
         Packet::Unsubscribe(u) => {
             d.set_item("pkid", u.pkid)?;
             d.set_item("filters", &u.filters)?;
-            d.set_item("properties", props_to_dict(py, &u.properties)?)?;
+            d.set_item("properties", props_to_dict(py, u.props())?)?;
         }
         Packet::UnsubAck(u) => {
             d.set_item("pkid", u.pkid)?;
             d.set_item("reason_codes", PyList::new(py, &u.reason_codes)?)?;
-            d.set_item("properties", props_to_dict(py, &u.properties)?)?;
+            d.set_item("properties", props_to_dict(py, u.props())?)?;
         }
         Packet::PingReq | Packet::PingResp => {}
-        Packet::Disconnect(x) => reason_and_props(x.reason_code, &x.properties)?,
-        Packet::Auth(x) => reason_and_props(x.reason_code, &x.properties)?,
+        Packet::Disconnect(x) => reason_and_props(x.reason_code, x.props())?,
+        Packet::Auth(x) => reason_and_props(x.reason_code, x.props())?,
     }
     Ok(d)
 }
@@ -330,7 +330,7 @@ impl<'py> Fields<'_, 'py> {
         Ok(Ack {
             pkid: self.req("pkid")?,
             reason_code: self.or("reason_code", 0)?,
-            properties: self.props()?,
+            properties: self.props()?.into_boxed(),
         })
     }
 }
@@ -374,7 +374,7 @@ fn packet_from_dict(d: &Bound<'_, PyDict>, protocol: Protocol) -> PyResult<Packe
         "connack" => Packet::ConnAck(ConnAck {
             session_present: f.or("session_present", false)?,
             reason_code: f.or("reason_code", 0)?,
-            properties: f.props()?,
+            properties: f.props()?.into_boxed(),
         }),
         "publish" => {
             let topic = match f.get("topic")? {
@@ -395,7 +395,7 @@ fn packet_from_dict(d: &Bound<'_, PyDict>, protocol: Protocol) -> PyResult<Packe
                 } else {
                     f.req("pkid")?
                 },
-                properties: f.props()?,
+                properties: f.props()?.into_boxed(),
                 payload: f.bytes("payload")?.unwrap_or_default(),
             })
         }
@@ -431,33 +431,33 @@ fn packet_from_dict(d: &Bound<'_, PyDict>, protocol: Protocol) -> PyResult<Packe
             Packet::Subscribe(Subscribe {
                 pkid: f.req("pkid")?,
                 filters,
-                properties: f.props()?,
+                properties: f.props()?.into_boxed(),
             })
         }
         "suback" => Packet::SubAck(SubAck {
             pkid: f.req("pkid")?,
             reason_codes: f.req("reason_codes")?,
-            properties: f.props()?,
+            properties: f.props()?.into_boxed(),
         }),
         "unsubscribe" => Packet::Unsubscribe(Unsubscribe {
             pkid: f.req("pkid")?,
             filters: f.req("filters")?,
-            properties: f.props()?,
+            properties: f.props()?.into_boxed(),
         }),
         "unsuback" => Packet::UnsubAck(UnsubAck {
             pkid: f.req("pkid")?,
             reason_codes: f.or("reason_codes", Vec::new())?,
-            properties: f.props()?,
+            properties: f.props()?.into_boxed(),
         }),
         "pingreq" => Packet::PingReq,
         "pingresp" => Packet::PingResp,
         "disconnect" => Packet::Disconnect(Disconnect {
             reason_code: f.or("reason_code", 0)?,
-            properties: f.props()?,
+            properties: f.props()?.into_boxed(),
         }),
         "auth" => Packet::Auth(Auth {
             reason_code: f.or("reason_code", 0)?,
-            properties: f.props()?,
+            properties: f.props()?.into_boxed(),
         }),
         other => {
             return Err(PyValueError::new_err(format!(

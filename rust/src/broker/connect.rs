@@ -31,7 +31,7 @@ impl Engine {
                 &Packet::ConnAck(ConnAck {
                     session_present: false,
                     reason_code,
-                    properties: Properties::default(),
+                    properties: None,
                 }),
             );
         }
@@ -55,7 +55,7 @@ impl Engine {
             &Packet::ConnAck(ConnAck {
                 session_present: false,
                 reason_code: code,
-                properties,
+                properties: properties.into_boxed(),
             }),
         );
         self.stop_reading_and_close(id);
@@ -199,7 +199,7 @@ impl Engine {
             &Packet::ConnAck(ConnAck {
                 session_present,
                 reason_code: 0,
-                properties: ack_props,
+                properties: ack_props.into_boxed(),
             }),
         );
         self.event(

@@ -338,7 +338,7 @@ impl Engine {
                 id,
                 &Packet::Disconnect(Disconnect {
                     reason_code: code,
-                    properties,
+                    properties: properties.into_boxed(),
                 }),
             );
         }
@@ -419,7 +419,7 @@ impl Engine {
             payload: will.payload,
             qos: will.qos,
             retain: will.retain,
-            props: router::forwarded_props(props),
+            props: router::forwarded_props(Box::new(props)),
             expires_at,
             origin,
         };
@@ -478,8 +478,7 @@ impl Engine {
 
     fn handle_disconnect(&mut self, id: ConnId, d: Disconnect, now: u64) {
         let Some(conn) = self.conn(id) else { return };
-        if let (Some(sid), Some(new_expiry)) = (conn.session, d.properties.session_expiry_interval)
-        {
+        if let (Some(sid), Some(new_expiry)) = (conn.session, d.props().session_expiry_interval) {
             let max = self.cfg.max_session_expiry;
             if let Some(session) = self.session_mut(sid) {
                 if session.expiry == 0 && new_expiry != 0 {
@@ -515,7 +514,7 @@ impl Engine {
         Ack {
             pkid,
             reason_code,
-            properties: Properties::default(),
+            properties: None,
         }
     }
 }

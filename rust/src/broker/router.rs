@@ -13,8 +13,8 @@ use crate::codec::{self, Ack, Packet, Properties, Protocol, Publish, PublishOut,
 use crate::topics::SubOpts;
 
 /// The properties a message carries to its receivers, or None when there are none (the
-/// common case, which then costs nothing per delivery).
-pub(super) fn forwarded_props(mut p: Properties) -> Option<Box<Properties>> {
+/// common case, which then costs nothing per delivery). Takes a box to reuse it.
+pub(super) fn forwarded_props(mut p: Box<Properties>) -> Option<Box<Properties>> {
     p.topic_alias = None;
     p.subscription_identifiers.clear();
     p.message_expiry_interval = None;
@@ -26,7 +26,7 @@ pub(super) fn forwarded_props(mut p: Properties) -> Option<Box<Properties>> {
     {
         None
     } else {
-        Some(Box::new(p))
+        Some(p)
     }
 }
 
@@ -51,7 +51,7 @@ impl Engine {
         let conn = self.conn_mut(id).expect("caller checked");
         let v5 = conn.protocol == Protocol::V5;
         let sid = conn.session.expect("active connection has a session");
-        if !p.properties.subscription_identifiers.is_empty() {
+        if !p.props().subscription_identifiers.is_empty() {
             // MQTT-3.3.4-6: only the server puts subscription identifiers in a PUBLISH.
             return self.close(
                 id,
@@ -62,7 +62,7 @@ impl Engine {
             );
         }
         // Topic alias (MQTT 5): set or look up, and never forward it.
-        if let Some(alias) = p.properties.topic_alias.take() {
+        if let Some(alias) = p.properties.as_mut().and_then(|p| p.topic_alias.take()) {
             if alias == 0 || alias > self.cfg.topic_alias_maximum {
                 return self.close(id, Some(0x94), "topic alias invalid", true, now);
             }
@@ -503,7 +503,7 @@ impl Engine {
 
 fn message_of(p: Publish, origin: SessionId, now: u64) -> Message {
     let expires_at = p
-        .properties
+        .props()
         .message_expiry_interval
         .map(|s| now + 1000 * u64::from(s));
     let (topic, payload) = compact(&p.topic, p.payload);
@@ -512,7 +512,7 @@ fn message_of(p: Publish, origin: SessionId, now: u64) -> Message {
         payload,
         qos: p.qos,
         retain: p.retain,
-        props: forwarded_props(p.properties),
+        props: p.properties.and_then(forwarded_props),
         expires_at,
         origin,
     }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::state::Message;
 use super::{ConnId, Engine};
-use crate::codec::{Packet, Properties, Protocol, QoS, SubAck, Subscribe, UnsubAck, Unsubscribe};
+use crate::codec::{Packet, Protocol, QoS, SubAck, Subscribe, UnsubAck, Unsubscribe};
 use crate::topics::{self, SubOpts};
 
 impl Engine {
@@ -14,7 +14,7 @@ impl Engine {
         let v5 = conn.protocol == Protocol::V5;
         let sid = conn.session.expect("active connection has a session");
         let identifier = s
-            .properties
+            .props()
             .subscription_identifiers
             .first()
             .copied()
@@ -72,7 +72,7 @@ impl Engine {
             &Packet::SubAck(SubAck {
                 pkid: s.pkid,
                 reason_codes: codes,
-                properties: Properties::default(),
+                properties: None,
             }),
         );
         for (filter, opts) in retained_for {
@@ -116,7 +116,7 @@ impl Engine {
             &Packet::UnsubAck(UnsubAck {
                 pkid: u.pkid,
                 reason_codes: if v5 { codes } else { Vec::new() },
-                properties: Properties::default(),
+                properties: None,
             }),
         );
     }

@@ -93,7 +93,7 @@ impl Harness {
             Packet::Subscribe(Subscribe {
                 pkid: 1,
                 filters: vec![sub_filter(filter, qos)],
-                properties: props,
+                properties: props.into_boxed(),
             }),
         );
         match self.recv_one(id).first() {
@@ -146,7 +146,7 @@ fn publish(topic: &str, payload: &str, qos: QoS, retain: bool, pkid: u16) -> Pub
         retain,
         topic: Bytes::copy_from_slice(topic.as_bytes()),
         pkid,
-        properties: Properties::default(),
+        properties: None,
         payload: Bytes::copy_from_slice(payload.as_bytes()),
     }
 }
@@ -202,7 +202,7 @@ fn overlapping_subscriptions_give_one_copy_at_highest_qos_with_all_identifiers()
     let pubs = publishes(&got);
     assert_eq!(pubs.len(), 1);
     assert_eq!(pubs[0].qos, QoS::AtLeastOnce);
-    let mut ids = pubs[0].properties.subscription_identifiers.clone();
+    let mut ids = pubs[0].props().subscription_identifiers.clone();
     ids.sort();
     assert_eq!(ids, vec![1, 2]);
 }
@@ -227,7 +227,7 @@ fn qos1_window_respects_client_receive_maximum() {
         Packet::PubAck(Ack {
             pkid: first,
             reason_code: 0,
-            properties: Properties::default(),
+            properties: None,
         }),
     );
     assert_eq!(
@@ -259,7 +259,7 @@ fn qos2_inbound_resend_before_pubrel_is_not_delivered_twice() {
         Packet::PubRel(Ack {
             pkid: 7,
             reason_code: 0,
-            properties: Properties::default(),
+            properties: None,
         }),
     );
     assert!(matches!(
@@ -312,7 +312,7 @@ fn retained_set_replace_delete_and_sent_on_subscribe() {
         Packet::Subscribe(Subscribe {
             pkid: 1,
             filters: vec![sub_filter("r/#", QoS::AtLeastOnce)],
-            properties: Properties::default(),
+            properties: None,
         }),
     );
     let got = h.recv_one(sub);
@@ -347,7 +347,7 @@ fn will_published_on_abnormal_close_not_after_disconnect() {
         b,
         Packet::Disconnect(Disconnect {
             reason_code: 0,
-            properties: Properties::default(),
+            properties: None,
         }),
     );
     assert!(publishes(&h.recv().remove(&sub).unwrap_or_default()).is_empty());
@@ -460,21 +460,21 @@ fn topic_alias_both_ways() {
     h.subscribe(sub, "long/topic", QoS::AtMostOnce);
     let publ = h.connect("pub", Protocol::V5, true);
     let mut p = publish("long/topic", "1", QoS::AtMostOnce, false, 0);
-    p.properties.topic_alias = Some(3);
+    p.props_mut().topic_alias = Some(3);
     h.send(publ, Packet::Publish(p));
     let mut p = publish("", "2", QoS::AtMostOnce, false, 0);
-    p.properties.topic_alias = Some(3);
+    p.props_mut().topic_alias = Some(3);
     h.send(publ, Packet::Publish(p));
     let got = h.recv_one(sub);
     let pubs = publishes(&got);
     assert_eq!(pubs.len(), 2);
     assert_eq!(&pubs[0].topic[..], b"long/topic");
-    assert_eq!(pubs[0].properties.topic_alias, Some(1));
+    assert_eq!(pubs[0].props().topic_alias, Some(1));
     assert!(pubs[1].topic.is_empty());
-    assert_eq!(pubs[1].properties.topic_alias, Some(1));
+    assert_eq!(pubs[1].props().topic_alias, Some(1));
     // Alias above the maximum: DISCONNECT 0x94.
     let mut p = publish("x", "3", QoS::AtMostOnce, false, 0);
-    p.properties.topic_alias = Some(11);
+    p.props_mut().topic_alias = Some(11);
     h.send(publ, Packet::Publish(p));
     match &h.recv_one(publ)[..] {
         [Packet::Disconnect(d)] => assert_eq!(d.reason_code, 0x94),
@@ -492,10 +492,10 @@ fn message_expiry_drops_and_forwards_remaining_time() {
     h.e.closed(off, h.now);
     let publ = h.connect("pub", Protocol::V5, true);
     let mut p = publish("e", "short", QoS::AtLeastOnce, false, 1);
-    p.properties.message_expiry_interval = Some(2);
+    p.props_mut().message_expiry_interval = Some(2);
     h.send(publ, Packet::Publish(p));
     let mut p = publish("e", "long", QoS::AtLeastOnce, false, 2);
-    p.properties.message_expiry_interval = Some(60);
+    p.props_mut().message_expiry_interval = Some(60);
     h.send(publ, Packet::Publish(p));
     h.recv();
     h.now += 5000;
@@ -503,7 +503,7 @@ fn message_expiry_drops_and_forwards_remaining_time() {
     let pubs = publishes(&got);
     assert_eq!(pubs.len(), 1);
     assert_eq!(&pubs[0].payload[..], b"long");
-    assert_eq!(pubs[0].properties.message_expiry_interval, Some(55));
+    assert_eq!(pubs[0].props().message_expiry_interval, Some(55));
 }
 
 #[test]
@@ -624,7 +624,7 @@ fn denied_subscription_gets_not_authorized() {
                 sub_filter("secret/+/x", QoS::AtLeastOnce),
                 sub_filter("open/#", QoS::AtLeastOnce),
             ],
-            properties: Properties::default(),
+            properties: None,
         }),
     );
     match &h.recv_one(a)[..] {
@@ -645,7 +645,7 @@ fn unsubscribe_reports_missing_subscription() {
         Packet::Unsubscribe(Unsubscribe {
             pkid: 2,
             filters: vec!["u".into(), "v".into()],
-            properties: Properties::default(),
+            properties: None,
         }),
     );
     match &h.recv_one(a)[..] {

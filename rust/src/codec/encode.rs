@@ -73,11 +73,17 @@ fn header(out: &mut Vec<u8>, first: u8, remaining: usize) -> Result<()> {
     Ok(())
 }
 
+/// Length of the properties (without the length prefix); 0 for none.
+#[inline]
+fn body_len(p: Option<&Properties>) -> Result<usize> {
+    p.map_or(Ok(0), props::body_len)
+}
+
 /// Property block size for MQTT 5 (`None` for 3.1.1, which has no properties).
 #[inline]
-fn props_size(p: &Properties, v5: bool) -> Result<Option<usize>> {
+fn props_size(p: Option<&Properties>, v5: bool) -> Result<Option<usize>> {
     if v5 {
-        props::body_len(p).map(Some)
+        body_len(p).map(Some)
     } else {
         Ok(None)
     }
@@ -89,7 +95,7 @@ fn block(size: Option<usize>) -> usize {
 }
 
 #[inline]
-fn put_props(out: &mut Vec<u8>, p: &Properties, size: Option<usize>) {
+fn put_props(out: &mut Vec<u8>, p: Option<&Properties>, size: Option<usize>) {
     if let Some(n) = size {
         props::write(p, n, out);
     }
@@ -112,9 +118,11 @@ pub(super) fn encode(packet: &Packet, protocol: Protocol, out: &mut Vec<u8>) -> 
         Packet::PingReq => header(out, 0xc0, 0),
         Packet::PingResp => header(out, 0xd0, 0),
         Packet::Disconnect(_) if !v5 => header(out, 0xe0, 0),
-        Packet::Disconnect(d) => reason_and_props(0xe0, d.reason_code, &d.properties, v5, out),
+        Packet::Disconnect(d) => {
+            reason_and_props(0xe0, d.reason_code, d.properties.as_deref(), v5, out)
+        }
         // AUTH does not exist in 3.1.1; if asked anyway it gets the 5.0 form minus properties.
-        Packet::Auth(a) => reason_and_props(0xf0, a.reason_code, &a.properties, v5, out),
+        Packet::Auth(a) => reason_and_props(0xf0, a.reason_code, a.properties.as_deref(), v5, out),
     }
 }
 
@@ -127,7 +135,7 @@ fn publish(p: &Publish, v5: bool, out: &mut Vec<u8>) -> Result<()> {
             retain: p.retain,
             topic: &p.topic,
             pkid: p.pkid,
-            properties: Some(&p.properties),
+            properties: p.properties.as_deref(),
             message_expiry: None,
             topic_alias: None,
             subscription_ids: &[],
@@ -197,7 +205,7 @@ fn ack(first: u8, a: &Ack, v5: bool, out: &mut Vec<u8>) -> Result<()> {
         out.extend_from_slice(&a.pkid.to_be_bytes());
         return Ok(());
     }
-    let body = props::body_len(&a.properties)?;
+    let body = body_len(a.properties.as_deref())?;
     // Short forms: reason code and property length may be left out (MQTT 5 3.4.2.1).
     let remaining = match (a.reason_code, body) {
         (0, 0) => 2,
@@ -210,7 +218,7 @@ fn ack(first: u8, a: &Ack, v5: bool, out: &mut Vec<u8>) -> Result<()> {
         out.push(a.reason_code);
     }
     if remaining > 3 {
-        props::write(&a.properties, body, out);
+        props::write(a.properties.as_deref(), body, out);
     }
     Ok(())
 }
@@ -219,7 +227,7 @@ fn ack(first: u8, a: &Ack, v5: bool, out: &mut Vec<u8>) -> Result<()> {
 fn reason_and_props(
     first: u8,
     reason: u8,
-    p: &Properties,
+    p: Option<&Properties>,
     v5: bool,
     out: &mut Vec<u8>,
 ) -> Result<()> {
@@ -242,13 +250,13 @@ fn reason_and_props(
 fn connect(c: &Connect, out: &mut Vec<u8>) -> Result<()> {
     // A CONNECT carries its own protocol level, whatever the connection's is.
     let v5 = c.protocol == Protocol::V5;
-    let props = props_size(&c.properties, v5)?;
+    let props = props_size(Some(&c.properties), v5)?;
     // name "MQTT", level, flags, keep alive
     let mut remaining = 6 + 1 + 1 + 2 + block(props) + str_len(&c.client_id)?;
     let mut flags = (c.clean_start as u8) << 1;
     let mut will_props = None;
     if let Some(w) = &c.will {
-        will_props = props_size(&w.properties, v5)?;
+        will_props = props_size(Some(&w.properties), v5)?;
         remaining += block(will_props) + str_len(&w.topic)? + binary_len(&w.payload)?;
         flags |= 0x04 | (w.qos as u8) << 3 | (w.retain as u8) << 5;
     }
@@ -265,10 +273,10 @@ fn connect(c: &Connect, out: &mut Vec<u8>) -> Result<()> {
     out.push(c.protocol.level());
     out.push(flags);
     out.extend_from_slice(&c.keep_alive.to_be_bytes());
-    put_props(out, &c.properties, props);
+    put_props(out, Some(&c.properties), props);
     put_str(out, c.client_id.as_bytes());
     if let Some(w) = &c.will {
-        put_props(out, &w.properties, will_props);
+        put_props(out, Some(&w.properties), will_props);
         put_str(out, w.topic.as_bytes());
         put_binary(out, &w.payload);
     }
@@ -282,7 +290,7 @@ fn connect(c: &Connect, out: &mut Vec<u8>) -> Result<()> {
 }
 
 fn connack(c: &ConnAck, v5: bool, out: &mut Vec<u8>) -> Result<()> {
-    let props = props_size(&c.properties, v5)?;
+    let props = props_size(c.properties.as_deref(), v5)?;
     header(out, 0x20, 2 + block(props))?;
     out.push(c.session_present as u8);
     out.push(if v5 {
@@ -290,19 +298,19 @@ fn connack(c: &ConnAck, v5: bool, out: &mut Vec<u8>) -> Result<()> {
     } else {
         connack_code_v311(c.reason_code)
     });
-    put_props(out, &c.properties, props);
+    put_props(out, c.properties.as_deref(), props);
     Ok(())
 }
 
 fn subscribe(s: &Subscribe, v5: bool, out: &mut Vec<u8>) -> Result<()> {
-    let props = props_size(&s.properties, v5)?;
+    let props = props_size(s.properties.as_deref(), v5)?;
     let mut remaining = 2 + block(props);
     for f in &s.filters {
         remaining += str_len(&f.filter)? + 1;
     }
     header(out, 0x82, remaining)?;
     out.extend_from_slice(&s.pkid.to_be_bytes());
-    put_props(out, &s.properties, props);
+    put_props(out, s.properties.as_deref(), props);
     for f in &s.filters {
         put_str(out, f.filter.as_bytes());
         let mut opts = f.qos as u8;
@@ -317,10 +325,10 @@ fn subscribe(s: &Subscribe, v5: bool, out: &mut Vec<u8>) -> Result<()> {
 }
 
 fn suback(s: &SubAck, v5: bool, out: &mut Vec<u8>) -> Result<()> {
-    let props = props_size(&s.properties, v5)?;
+    let props = props_size(s.properties.as_deref(), v5)?;
     header(out, 0x90, 2 + block(props) + s.reason_codes.len())?;
     out.extend_from_slice(&s.pkid.to_be_bytes());
-    put_props(out, &s.properties, props);
+    put_props(out, s.properties.as_deref(), props);
     if v5 {
         out.extend_from_slice(&s.reason_codes);
     } else {
@@ -331,14 +339,14 @@ fn suback(s: &SubAck, v5: bool, out: &mut Vec<u8>) -> Result<()> {
 }
 
 fn unsubscribe(u: &Unsubscribe, v5: bool, out: &mut Vec<u8>) -> Result<()> {
-    let props = props_size(&u.properties, v5)?;
+    let props = props_size(u.properties.as_deref(), v5)?;
     let mut remaining = 2 + block(props);
     for f in &u.filters {
         remaining += str_len(f)?;
     }
     header(out, 0xa2, remaining)?;
     out.extend_from_slice(&u.pkid.to_be_bytes());
-    put_props(out, &u.properties, props);
+    put_props(out, u.properties.as_deref(), props);
     for f in &u.filters {
         put_str(out, f.as_bytes());
     }
@@ -351,10 +359,10 @@ fn unsuback(u: &UnsubAck, v5: bool, out: &mut Vec<u8>) -> Result<()> {
         out.extend_from_slice(&u.pkid.to_be_bytes());
         return Ok(());
     }
-    let body = props::body_len(&u.properties)?;
+    let body = body_len(u.properties.as_deref())?;
     header(out, 0xb0, 2 + props::block_len(body) + u.reason_codes.len())?;
     out.extend_from_slice(&u.pkid.to_be_bytes());
-    props::write(&u.properties, body, out);
+    props::write(u.properties.as_deref(), body, out);
     out.extend_from_slice(&u.reason_codes);
     Ok(())
 }

@@ -3,6 +3,12 @@
 //! One `Properties` struct serves every packet type: the codec checks which property
 //! identifiers a packet type may carry (see `codec::props`), so the rest of the code reads a
 //! property the same way wherever it comes from.
+//!
+//! Packets hold it as `Option<Box<Properties>>`, `None` when there are none (most packets):
+//! then decoding neither builds nor moves hundreds of bytes, and `Packet` stays small to move.
+//! The decoder never gives `Some` of empty properties, so `Properties::into_boxed` builds what
+//! it would; the encoder writes `Some` of empty properties like `None`. `props()` reads either
+//! form. CONNECT and its will keep theirs inline: the CONNECT is boxed whole.
 
 use bytes::Bytes;
 
@@ -73,9 +79,49 @@ pub struct Properties {
     pub shared_subscription_available: Option<u8>,     // 0x2A
 }
 
+/// What `props()` lends when a packet has no properties.
+static NO_PROPERTIES: Properties = Properties {
+    payload_format_indicator: None,
+    message_expiry_interval: None,
+    content_type: None,
+    response_topic: None,
+    correlation_data: None,
+    subscription_identifiers: Vec::new(),
+    session_expiry_interval: None,
+    assigned_client_identifier: None,
+    server_keep_alive: None,
+    authentication_method: None,
+    authentication_data: None,
+    request_problem_information: None,
+    will_delay_interval: None,
+    request_response_information: None,
+    response_information: None,
+    server_reference: None,
+    reason_string: None,
+    receive_maximum: None,
+    topic_alias_maximum: None,
+    topic_alias: None,
+    maximum_qos: None,
+    retain_available: None,
+    user_properties: Vec::new(),
+    maximum_packet_size: None,
+    wildcard_subscription_available: None,
+    subscription_identifier_available: None,
+    shared_subscription_available: None,
+};
+
 impl Properties {
     pub fn is_empty(&self) -> bool {
-        *self == Properties::default()
+        *self == NO_PROPERTIES
+    }
+
+    /// The form packets hold them in: `None` when no property is set.
+    pub fn into_boxed(self) -> Option<Box<Properties>> {
+        if self.is_empty() {
+            None
+        } else {
+            Some(Box::new(self))
+        }
     }
 }
 
@@ -109,7 +155,7 @@ pub struct ConnAck {
     /// MQTT 5 reason code; for 3.1.1 the encoder maps it to a 3.1.1 return code
     /// (see `codec::connack_code_v311`).
     pub reason_code: u8,
-    pub properties: Properties,
+    pub properties: Option<Box<Properties>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -122,7 +168,7 @@ pub struct Publish {
     pub topic: Bytes,
     /// 0 for QoS 0.
     pub pkid: u16,
-    pub properties: Properties,
+    pub properties: Option<Box<Properties>>,
     pub payload: Bytes,
 }
 
@@ -132,7 +178,7 @@ pub struct Publish {
 pub struct Ack {
     pub pkid: u16,
     pub reason_code: u8,
-    pub properties: Properties,
+    pub properties: Option<Box<Properties>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -150,7 +196,7 @@ pub struct Subscribe {
     pub pkid: u16,
     pub filters: Vec<SubscribeFilter>,
     /// Subscription identifier (at most one) and user properties.
-    pub properties: Properties,
+    pub properties: Option<Box<Properties>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -158,14 +204,14 @@ pub struct SubAck {
     pub pkid: u16,
     /// One per filter: granted QoS 0/1/2 or a failure code (0x80 in 3.1.1; 0x80.. in 5.0).
     pub reason_codes: Vec<u8>,
-    pub properties: Properties,
+    pub properties: Option<Box<Properties>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Unsubscribe {
     pub pkid: u16,
     pub filters: Vec<String>,
-    pub properties: Properties,
+    pub properties: Option<Box<Properties>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -173,20 +219,48 @@ pub struct UnsubAck {
     pub pkid: u16,
     /// MQTT 5 only (one per filter); empty for 3.1.1.
     pub reason_codes: Vec<u8>,
-    pub properties: Properties,
+    pub properties: Option<Box<Properties>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Disconnect {
     pub reason_code: u8,
-    pub properties: Properties,
+    pub properties: Option<Box<Properties>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Auth {
     pub reason_code: u8,
-    pub properties: Properties,
+    pub properties: Option<Box<Properties>>,
 }
+
+/// `props()`, the properties or empty ones, and `props_mut()`, the properties to change
+/// (created empty if there were none), for each packet type that holds them boxed.
+macro_rules! props_access {
+    ($($t:ty),*) => {$(
+        impl $t {
+            pub fn props(&self) -> &Properties {
+                self.properties.as_deref().unwrap_or(&NO_PROPERTIES)
+            }
+
+            pub fn props_mut(&mut self) -> &mut Properties {
+                self.properties.get_or_insert_default()
+            }
+        }
+    )*};
+}
+
+props_access!(
+    ConnAck,
+    Publish,
+    Ack,
+    Subscribe,
+    SubAck,
+    Unsubscribe,
+    UnsubAck,
+    Disconnect,
+    Auth
+);
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Packet {

@@ -123,10 +123,29 @@ fn nonzero_u16(r: &mut Reader<'_>, what: &'static str) -> Result<u16, DecodeErro
 pub(super) fn read(r: &mut Reader<'_>, ctx: usize) -> Result<Properties, DecodeError> {
     let len = r.varint()? as usize;
     let mut p = Properties::default();
-    if len == 0 {
-        return Ok(p);
+    if len != 0 {
+        read_body(&mut r.take(len)?, ctx, &mut p)?;
     }
-    let mut r = r.take(len)?;
+    Ok(p)
+}
+
+/// Like `read`, boxed, and building nothing for an empty block (most packets).
+pub(super) fn read_boxed(
+    r: &mut Reader<'_>,
+    ctx: usize,
+) -> Result<Option<Box<Properties>>, DecodeError> {
+    let len = r.varint()? as usize;
+    if len == 0 {
+        return Ok(None);
+    }
+    let mut body = r.take(len)?;
+    let mut p = Box::<Properties>::default();
+    read_body(&mut body, ctx, &mut p)?;
+    Ok(Some(p))
+}
+
+/// Reads the properties of a block until `r` (the block) is empty.
+fn read_body(r: &mut Reader<'_>, ctx: usize, p: &mut Properties) -> Result<(), DecodeError> {
     let allowed = ALLOWED[ctx];
     let mut seen = 0u64;
     while r.remaining() > 0 {
@@ -152,7 +171,7 @@ pub(super) fn read(r: &mut Reader<'_>, ctx: usize) -> Result<Properties, DecodeE
         seen |= bit(id);
         match id {
             PAYLOAD_FORMAT_INDICATOR => {
-                p.payload_format_indicator = Some(flag(&mut r, "payload format indicator")?)
+                p.payload_format_indicator = Some(flag(r, "payload format indicator")?)
             }
             MESSAGE_EXPIRY_INTERVAL => p.message_expiry_interval = Some(r.u32()?),
             CONTENT_TYPE => p.content_type = Some(r.string()?),
@@ -168,21 +187,21 @@ pub(super) fn read(r: &mut Reader<'_>, ctx: usize) -> Result<Properties, DecodeE
             AUTHENTICATION_METHOD => p.authentication_method = Some(r.string()?),
             AUTHENTICATION_DATA => p.authentication_data = Some(r.binary()?),
             REQUEST_PROBLEM_INFORMATION => {
-                p.request_problem_information = Some(flag(&mut r, "request problem information")?)
+                p.request_problem_information = Some(flag(r, "request problem information")?)
             }
             WILL_DELAY_INTERVAL => p.will_delay_interval = Some(r.u32()?),
             REQUEST_RESPONSE_INFORMATION => {
-                p.request_response_information = Some(flag(&mut r, "request response information")?)
+                p.request_response_information = Some(flag(r, "request response information")?)
             }
             RESPONSE_INFORMATION => p.response_information = Some(r.string()?),
             SERVER_REFERENCE => p.server_reference = Some(r.string()?),
             REASON_STRING => p.reason_string = Some(r.string()?),
-            RECEIVE_MAXIMUM => p.receive_maximum = Some(nonzero_u16(&mut r, "receive maximum 0")?),
+            RECEIVE_MAXIMUM => p.receive_maximum = Some(nonzero_u16(r, "receive maximum 0")?),
             TOPIC_ALIAS_MAXIMUM => p.topic_alias_maximum = Some(r.u16()?),
             // Alias 0 decodes: the receiver answers it with 0x94 (topic alias invalid).
             TOPIC_ALIAS => p.topic_alias = Some(r.u16()?),
-            MAXIMUM_QOS => p.maximum_qos = Some(flag(&mut r, "maximum qos")?),
-            RETAIN_AVAILABLE => p.retain_available = Some(flag(&mut r, "retain available")?),
+            MAXIMUM_QOS => p.maximum_qos = Some(flag(r, "maximum qos")?),
+            RETAIN_AVAILABLE => p.retain_available = Some(flag(r, "retain available")?),
             USER_PROPERTY => {
                 let k = r.string()?;
                 let v = r.string()?;
@@ -194,20 +213,19 @@ pub(super) fn read(r: &mut Reader<'_>, ctx: usize) -> Result<Properties, DecodeE
             },
             WILDCARD_SUBSCRIPTION_AVAILABLE => {
                 p.wildcard_subscription_available =
-                    Some(flag(&mut r, "wildcard subscription available")?)
+                    Some(flag(r, "wildcard subscription available")?)
             }
             SUBSCRIPTION_IDENTIFIER_AVAILABLE => {
                 p.subscription_identifier_available =
-                    Some(flag(&mut r, "subscription identifier available")?)
+                    Some(flag(r, "subscription identifier available")?)
             }
             SHARED_SUBSCRIPTION_AVAILABLE => {
-                p.shared_subscription_available =
-                    Some(flag(&mut r, "shared subscription available")?)
+                p.shared_subscription_available = Some(flag(r, "shared subscription available")?)
             }
             _ => unreachable!("KNOWN covers exactly the identifiers matched above"),
         }
     }
-    Ok(p)
+    Ok(())
 }
 
 /// Length of the properties themselves (without the length prefix). Checks every length that
@@ -270,9 +288,9 @@ pub(super) fn block_len(body: usize) -> usize {
 }
 
 /// Writes the property block: `body` must be `body_len(p)`.
-pub(super) fn write(p: &Properties, body: usize, out: &mut Vec<u8>) {
+pub(super) fn write(p: Option<&Properties>, body: usize, out: &mut Vec<u8>) {
     put_varint(out, body);
-    if body != 0 {
+    if let Some(p) = p.filter(|_| body != 0) {
         write_body(p, out);
     }
 }

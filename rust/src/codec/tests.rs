@@ -165,7 +165,7 @@ fn sample_connect(proto: Protocol) -> Packet {
 /// Every packet type with as many properties as it may carry (none for 3.1.1).
 fn samples(proto: Protocol) -> Vec<Packet> {
     let v5 = proto == Protocol::V5;
-    let p = |props: Properties| if v5 { props } else { Properties::default() };
+    let p = |props: Properties| if v5 { props.into_boxed() } else { None };
     let ack = |pkid: u16, reason: u8| Ack {
         pkid,
         reason_code: if v5 { reason } else { 0 },
@@ -210,7 +210,7 @@ fn samples(proto: Protocol) -> Vec<Packet> {
         Packet::ConnAck(ConnAck {
             session_present: false,
             reason_code: 0x86,
-            properties: Properties::default(),
+            properties: None,
         }),
         Packet::Publish(Publish {
             dup: true,
@@ -231,7 +231,7 @@ fn samples(proto: Protocol) -> Vec<Packet> {
             retain: false,
             topic: Bytes::from_static(b"t"),
             pkid: 0,
-            properties: Properties::default(),
+            properties: None,
             payload: Bytes::new(),
         }),
         Packet::Publish(Publish {
@@ -240,7 +240,7 @@ fn samples(proto: Protocol) -> Vec<Packet> {
             retain: false,
             topic: Bytes::from_static(b"big"),
             pkid: 1,
-            properties: Properties::default(),
+            properties: None,
             payload: Bytes::from(vec![0xab; 200_000]),
         }),
         Packet::PubAck(ack(1, 0x10)),
@@ -250,7 +250,7 @@ fn samples(proto: Protocol) -> Vec<Packet> {
         Packet::PubAck(Ack {
             pkid: 9,
             reason_code: 0,
-            properties: Properties::default(),
+            properties: None,
         }),
         Packet::Subscribe(Subscribe {
             pkid: 10,
@@ -310,21 +310,21 @@ fn samples(proto: Protocol) -> Vec<Packet> {
         }),
         Packet::Disconnect(Disconnect {
             reason_code: 0,
-            properties: Properties::default(),
+            properties: None,
         }),
     ];
     if v5 {
         v.push(Packet::Auth(Auth {
             reason_code: 0x18,
-            properties: Properties {
+            properties: Some(Box::new(Properties {
                 authentication_method: Some(s("SCRAM-SHA-1")),
                 authentication_data: Some(Bytes::from_static(b"data")),
                 ..ack_props()
-            },
+            })),
         }));
         v.push(Packet::Auth(Auth {
             reason_code: 0,
-            properties: Properties::default(),
+            properties: None,
         }));
         // Topic alias instead of a topic.
         v.push(Packet::Publish(Publish {
@@ -333,10 +333,10 @@ fn samples(proto: Protocol) -> Vec<Packet> {
             retain: false,
             topic: Bytes::new(),
             pkid: 5,
-            properties: Properties {
+            properties: Some(Box::new(Properties {
                 topic_alias: Some(3),
                 ..Default::default()
-            },
+            })),
             payload: Bytes::from_static(b"x"),
         }));
     }
@@ -379,26 +379,26 @@ fn known_encodings() {
     let ack = Packet::PubAck(Ack {
         pkid: 0x0102,
         reason_code: 0,
-        properties: Properties::default(),
+        properties: None,
     });
     assert_eq!(enc(&ack, Protocol::V5), [0x40, 2, 1, 2]);
     assert_eq!(enc(&ack, Protocol::V311), [0x40, 2, 1, 2]);
     let rel = Packet::PubRel(Ack {
         pkid: 7,
         reason_code: 0x92,
-        properties: Properties::default(),
+        properties: None,
     });
     assert_eq!(enc(&rel, Protocol::V5), [0x62, 3, 0, 7, 0x92]);
     let disc = Packet::Disconnect(Disconnect {
         reason_code: 0x8e,
-        properties: Properties::default(),
+        properties: None,
     });
     assert_eq!(enc(&disc, Protocol::V5), [0xe0, 1, 0x8e]);
     assert_eq!(enc(&disc, Protocol::V311), [0xe0, 0]);
     let connack = Packet::ConnAck(ConnAck {
         session_present: false,
         reason_code: 0x87,
-        properties: Properties::default(),
+        properties: None,
     });
     assert_eq!(enc(&connack, Protocol::V5), [0x20, 3, 0, 0x87, 0]);
     assert_eq!(enc(&connack, Protocol::V311), [0x20, 2, 0, 5]);
@@ -408,7 +408,7 @@ fn known_encodings() {
         retain: true,
         topic: Bytes::from_static(b"a/b"),
         pkid: 0,
-        properties: Properties::default(),
+        properties: None,
         payload: Bytes::from_static(b"hi"),
     });
     assert_eq!(
@@ -422,7 +422,7 @@ fn known_encodings() {
     let suback = Packet::SubAck(SubAck {
         pkid: 1,
         reason_codes: vec![1, 0x87],
-        properties: Properties::default(),
+        properties: None,
     });
     assert_eq!(enc(&suback, Protocol::V311), [0x90, 4, 0, 1, 1, 0x80]);
 }
@@ -494,10 +494,10 @@ fn decoded_fields_share_the_buffer() {
         retain: false,
         topic: Bytes::from_static(b"zero/copy"),
         pkid: 1,
-        properties: Properties {
+        properties: Some(Box::new(Properties {
             correlation_data: Some(Bytes::from_static(b"corr")),
             ..Default::default()
-        },
+        })),
         payload: Bytes::from(vec![7u8; 4096]),
     });
     let mut buf = BytesMut::with_capacity(8192);
@@ -511,10 +511,38 @@ fn decoded_fields_share_the_buffer() {
     for field in [
         &got.payload,
         &got.topic,
-        got.properties.correlation_data.as_ref().unwrap(),
+        got.props().correlation_data.as_ref().unwrap(),
     ] {
         assert!(range.contains(&(field.as_ptr() as usize)), "copied field");
     }
+}
+
+#[test]
+fn publish_properties_are_none_when_there_are_none() {
+    let mut v311 = mqtt_str(b"t");
+    v311.extend_from_slice(b"payload");
+    for (bytes, proto) in [
+        (publish_with_props(&[]), Protocol::V5),
+        (raw(0x30, &v311), Protocol::V311),
+    ] {
+        let Ok(Some(Packet::Publish(p))) = dec(&bytes, proto) else {
+            panic!("{proto:?} publish decodes");
+        };
+        assert_eq!(p.properties, None);
+        assert!(p.props().is_empty());
+        assert_eq!(&p.payload[..], b"payload");
+    }
+    let Ok(Some(Packet::Publish(mut p))) = dec(&publish_with_props(&[0x01, 1]), Protocol::V5)
+    else {
+        panic!("publish with a property decodes");
+    };
+    assert_eq!(p.props().payload_format_indicator, Some(1));
+    // Some of empty properties encodes like None.
+    p.properties = None;
+    let none = enc(&Packet::Publish(p.clone()), Protocol::V5);
+    p.properties = Some(Box::default());
+    assert_eq!(enc(&Packet::Publish(p), Protocol::V5), none);
+    assert_eq!(Properties::default().into_boxed(), None);
 }
 
 // ---- fixed header and sizes ----
@@ -786,6 +814,45 @@ fn publish_topic_wildcards() {
 }
 
 #[test]
+fn publish_topic_name_checks_match_their_definition() {
+    // Every byte value at the start, middle and end of topics of several lengths (the check
+    // is vectorised, with a scalar tail), against the plain rules.
+    for len in [1usize, 3, 18, 40, 70] {
+        for pos in [0, len / 2, len - 1] {
+            for b in 0..=255u8 {
+                let mut topic = vec![b'a'; len];
+                topic[pos] = b;
+                let expected = match std::str::from_utf8(&topic) {
+                    Err(_) => Some(0x81),
+                    Ok(_) if topic.contains(&0) => Some(0x81),
+                    Ok(_) if topic.contains(&b'+') || topic.contains(&b'#') => Some(0x90),
+                    Ok(_) => None,
+                };
+                let got = dec(&raw(0x30, &mqtt_str(&topic)), Protocol::V311);
+                match expected {
+                    None => assert!(matches!(got, Ok(Some(_))), "{topic:?}: {got:?}"),
+                    Some(code) => assert_eq!(got.unwrap_err().reason_code(), code, "{topic:?}"),
+                }
+            }
+        }
+    }
+    let Ok(Some(Packet::Publish(p))) = dec(
+        &raw(0x30, &mqtt_str("ü/😀/\u{7f}".as_bytes())),
+        Protocol::V311,
+    ) else {
+        panic!("multi-byte UTF-8 topic decodes");
+    };
+    assert_eq!(&p.topic[..], "ü/😀/\u{7f}".as_bytes());
+    // A malformed string is reported before a wildcard in it.
+    for topic in [&b"\xed\xa0\x80/+"[..], b"a/\x00/#"] {
+        assert!(matches!(
+            dec_err(&raw(0x30, &mqtt_str(topic)), Protocol::V311),
+            DecodeError::Malformed(_)
+        ));
+    }
+}
+
+#[test]
 fn publish_empty_topic_v311() {
     let bytes = raw(0x30, &[0, 0, b'x']);
     assert!(matches!(
@@ -806,7 +873,7 @@ fn publish_empty_topic_without_alias_v5() {
         panic!("alias publish should decode");
     };
     assert!(p.topic.is_empty());
-    assert_eq!(p.properties.topic_alias, Some(1));
+    assert_eq!(p.props().topic_alias, Some(1));
 }
 
 #[test]
@@ -959,7 +1026,7 @@ fn v5_ack_short_forms() {
         };
         assert_eq!(a.pkid, 5);
         assert_eq!(a.reason_code, if bytes.len() > 2 { 0x10 } else { 0 });
-        assert!(a.properties.is_empty());
+        assert_eq!(a.properties, None);
     }
 }
 
@@ -969,21 +1036,21 @@ fn v5_disconnect_and_auth_empty() {
         dec(&[0xe0, 0], Protocol::V5),
         Ok(Some(Packet::Disconnect(Disconnect {
             reason_code: 0,
-            properties: Properties::default()
+            properties: None
         })))
     );
     assert_eq!(
         dec(&[0xf0, 0], Protocol::V5),
         Ok(Some(Packet::Auth(Auth {
             reason_code: 0,
-            properties: Properties::default()
+            properties: None
         })))
     );
     assert_eq!(
         dec(&[0xe0, 1, 0x8e], Protocol::V5),
         Ok(Some(Packet::Disconnect(Disconnect {
             reason_code: 0x8e,
-            properties: Properties::default()
+            properties: None
         })))
     );
 }
@@ -1030,7 +1097,7 @@ fn topic_alias_zero_decodes_for_the_engine_to_refuse() {
     let Ok(Some(Packet::Publish(p))) = dec(&publish_with_props(&[0x23, 0, 0]), Protocol::V5) else {
         panic!("alias 0 decodes");
     };
-    assert_eq!(p.properties.topic_alias, Some(0));
+    assert_eq!(p.props().topic_alias, Some(0));
 }
 
 #[test]
@@ -1047,7 +1114,7 @@ fn varint_property_too_long() {
     ) else {
         panic!("max subscription identifier");
     };
-    assert_eq!(p.properties.subscription_identifiers, [268_435_455]);
+    assert_eq!(p.props().subscription_identifiers, [268_435_455]);
 }
 
 #[test]
@@ -1066,8 +1133,8 @@ fn repeatable_properties() {
     let Ok(Some(Packet::Publish(p))) = dec(&publish_with_props(&props), Protocol::V5) else {
         panic!("repeated user property / subscription identifier in PUBLISH");
     };
-    assert_eq!(p.properties.user_properties.len(), 2);
-    assert_eq!(p.properties.subscription_identifiers, [1, 2]);
+    assert_eq!(p.props().user_properties.len(), 2);
+    assert_eq!(p.props().subscription_identifiers, [1, 2]);
 }
 
 #[test]
@@ -1144,7 +1211,7 @@ fn encode_string_too_long() {
     let p = Packet::Unsubscribe(Unsubscribe {
         pkid: 1,
         filters: vec![long.clone()],
-        properties: Properties::default(),
+        properties: None,
     });
     let mut out = vec![1, 2, 3];
     assert!(matches!(
@@ -1158,16 +1225,16 @@ fn encode_string_too_long() {
         retain: false,
         topic: Bytes::from(long.clone()),
         pkid: 0,
-        properties: Properties::default(),
+        properties: None,
         payload: Bytes::new(),
     });
     assert!(encode(&p, Protocol::V5, &mut out).is_err());
     let p = Packet::Disconnect(Disconnect {
         reason_code: 0,
-        properties: Properties {
+        properties: Some(Box::new(Properties {
             user_properties: vec![(s("k"), long)],
             ..Default::default()
-        },
+        })),
     });
     assert!(encode(&p, Protocol::V5, &mut out).is_err());
     assert_eq!(out, [1, 2, 3]);
@@ -1175,7 +1242,7 @@ fn encode_string_too_long() {
     let p = Packet::Unsubscribe(Unsubscribe {
         pkid: 1,
         filters: vec!["x".repeat(65_535)],
-        properties: Properties::default(),
+        properties: None,
     });
     roundtrip(&p, Protocol::V311);
 }
@@ -1190,7 +1257,7 @@ fn encode_packet_too_long() {
         retain: false,
         topic: Bytes::from_static(b"t"),
         pkid: 0,
-        properties: Properties::default(),
+        properties: None,
         payload,
     });
     let mut out = Vec::new();
@@ -1389,7 +1456,7 @@ mod proptests {
                 Packet::ConnAck(ConnAck {
                     session_present,
                     reason_code,
-                    properties,
+                    properties: properties.into_boxed(),
                 })
             },
         );
@@ -1410,7 +1477,7 @@ mod proptests {
                     retain,
                     topic: Bytes::from(topic),
                     pkid: if q0 { 0 } else { pkid },
-                    properties,
+                    properties: properties.into_boxed(),
                     payload,
                 })
             });
@@ -1418,7 +1485,7 @@ mod proptests {
             (pkid(), reason(), props(ctx)).prop_map(|(pkid, reason_code, properties)| Ack {
                 pkid,
                 reason_code,
-                properties,
+                properties: properties.into_boxed(),
             })
         };
         let filter = (string(), qos(), any::<bool>(), any::<bool>(), 0u8..3).prop_map(
@@ -1435,7 +1502,7 @@ mod proptests {
                 Packet::Subscribe(Subscribe {
                     pkid,
                     filters,
-                    properties,
+                    properties: properties.into_boxed(),
                 })
             });
         let suback_codes = if v5 {
@@ -1448,7 +1515,7 @@ mod proptests {
                 Packet::SubAck(SubAck {
                     pkid,
                     reason_codes,
-                    properties,
+                    properties: properties.into_boxed(),
                 })
             });
         let unsubscribe =
@@ -1456,7 +1523,7 @@ mod proptests {
                 Packet::Unsubscribe(Unsubscribe {
                     pkid,
                     filters,
-                    properties,
+                    properties: properties.into_boxed(),
                 })
             });
         let unsuback_codes = if v5 {
@@ -1469,19 +1536,19 @@ mod proptests {
                 Packet::UnsubAck(UnsubAck {
                     pkid,
                     reason_codes,
-                    properties,
+                    properties: properties.into_boxed(),
                 })
             });
         let disconnect = (reason(), props(14)).prop_map(|(reason_code, properties)| {
             Packet::Disconnect(Disconnect {
                 reason_code,
-                properties,
+                properties: properties.into_boxed(),
             })
         });
         let auth = (reason(), props(15)).prop_map(|(reason_code, properties)| {
             Packet::Auth(Auth {
                 reason_code,
-                properties,
+                properties: properties.into_boxed(),
             })
         });
         let mut choices = vec![
@@ -1578,7 +1645,7 @@ fn encode_publish_from_parts_matches_encode_of_the_same_publish() {
                 retain: true,
                 topic: Bytes::copy_from_slice(topic),
                 pkid: 9,
-                properties: whole,
+                properties: whole.into_boxed(),
                 payload: Bytes::from_static(b"payload"),
             });
             let mut expected = Vec::new();
