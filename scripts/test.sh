@@ -42,6 +42,7 @@ cargo clippy --version >/dev/null 2>&1 || fail "clippy missing (rustup component
 missing_packages=()
 command -v mosquitto >/dev/null || missing_packages+=(mosquitto)
 command -v mosquitto_pub >/dev/null || missing_packages+=(mosquitto-clients)
+command -v strace >/dev/null || missing_packages+=(strace)
 # Debian's Python creates venvs only with python3-venv (which provides ensurepip).
 "$PYTHON" -c 'import ensurepip' 2>/dev/null || missing_packages+=(python3-venv)
 if ((${#missing_packages[@]})); then

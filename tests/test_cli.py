@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import fastbroker
+from fastbroker.config import ConfigError, load_config
 
 STARTUP_TIMEOUT_S = 15.0
 SHUTDOWN_TIMEOUT_S = 5.0
@@ -145,6 +146,28 @@ def test_python_dash_m_version(tmp_path: Path) -> None:
             ["[mqtt] denied_subscriptions"],
             id="mqtt-bad-filter",
         ),
+        pytest.param(
+            '[storage]\nfsync = "sometimes"\n',
+            ["[storage] fsync", "always, interval, never", "'sometimes'"],
+            id="fsync-unknown",
+        ),
+        pytest.param('[storage]\nfsync = "Always"\n', ["[storage] fsync"], id="fsync-case"),
+        pytest.param("[storage]\nfsync = true\n", ["[storage] fsync"], id="fsync-bool"),
+        pytest.param(
+            "[storage]\nfsync_interval_ms = 0\n",
+            ["[storage] fsync_interval_ms", "1 to 60000", "got 0"],
+            id="fsync-interval-zero",
+        ),
+        pytest.param(
+            "[storage]\nfsync_interval_ms = 60001\n",
+            ["[storage] fsync_interval_ms", "got 60001"],
+            id="fsync-interval-too-big",
+        ),
+        pytest.param(
+            "[storage]\nfsync_interval_ms = 10.0\n",
+            ["[storage] fsync_interval_ms", "integer"],
+            id="fsync-interval-float",
+        ),
         pytest.param("[listener\nport = 1\n", ["invalid TOML"], id="unparseable"),
         pytest.param("port = = 1\n", ["invalid TOML"], id="unparseable-value"),
     ],
@@ -158,6 +181,21 @@ def test_bad_config_fails_with_one_line(tmp_path: Path, toml: str, fragments: li
     assert result.returncode == 2, result.stderr
     assert_one_line_error(result, str(config), *fragments)
     assert not (tmp_path / "fastbroker-data").exists(), "must fail before starting anything"
+
+
+def test_storage_fsync_keys(tmp_path: Path) -> None:
+    defaults = load_config().storage
+    assert (defaults.fsync, defaults.fsync_interval_ms) == ("interval", 10)
+    config = tmp_path / "fastbroker.toml"
+    for policy in ("always", "interval", "never"):
+        config.write_text(f'[storage]\nfsync = "{policy}"\nfsync_interval_ms = 60000\n')
+        storage = load_config(config).storage
+        assert (storage.fsync, storage.fsync_interval_ms) == (policy, 60000)
+    config.write_text("[storage]\nfsync_interval_ms = 1\n")
+    assert load_config(config).storage.fsync_interval_ms == 1
+    config.write_text("[storage]\nfsync_interval_ms = -5\n")
+    with pytest.raises(ConfigError, match=r"\[storage\] fsync_interval_ms: .* got -5$"):
+        load_config(config)
 
 
 def test_missing_config_file_fails_with_one_line(tmp_path: Path) -> None:

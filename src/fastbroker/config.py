@@ -17,6 +17,8 @@ from typing import Any
 
 import fastbroker_core
 
+from fastbroker.store import FSYNC_INTERVAL_MS_MAX, FSYNC_INTERVAL_MS_MIN, FSYNC_POLICIES
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 U16_MAX = 65_535
@@ -39,6 +41,10 @@ class ListenerConfig:
 @dataclass(frozen=True)
 class StorageConfig:
     data_dir: str = "./fastbroker-data"
+    # When the store's writes reach the disk (fastbroker.store): "always" before each write
+    # returns, "interval" every fsync_interval_ms, "never" when the OS decides.
+    fsync: str = "interval"
+    fsync_interval_ms: int = 10
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,15 @@ def host_name(value: Any) -> str:
     return value
 
 
+def one_of(*choices: str) -> Check:
+    def check(value: Any) -> str:
+        if type(value) is not str or value not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return value
+
+    return check
+
+
 def log_level(value: Any) -> str:
     if type(value) is not str or value.lower() not in LOG_LEVELS:
         raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}")
@@ -112,7 +127,11 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "port": integer(0, U16_MAX),
         "write_buffer_high": integer(1, U63_MAX),
     },
-    "storage": {"data_dir": nonempty_string},
+    "storage": {
+        "data_dir": nonempty_string,
+        "fsync": one_of(*FSYNC_POLICIES),
+        "fsync_interval_ms": integer(FSYNC_INTERVAL_MS_MIN, FSYNC_INTERVAL_MS_MAX),
+    },
     "log": {"level": log_level},
     "sys": {"interval": number(0)},
     # Handed to fastbroker_core.Engine as is, which checks it (check_mqtt): one set of rules.
