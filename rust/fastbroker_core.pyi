@@ -116,6 +116,24 @@ class Engine:
     def drain(self) -> list[tuple[int, bytes, bool]]:
         """Output since the last call: ``(conn, data, close)`` per connection, ``data``
         possibly empty; ``close`` asks the caller to close after writing ``data``."""
+    def set_wall_clock(self, wall_ms: int, now_ms: int) -> None:
+        """Pairs the wall-clock time (ms since the epoch) with the monotonic ``now_ms``: stored
+        times are wall-clock. Call at start and now and then (the clocks drift)."""
+    def has_store_ops(self) -> bool:
+        """Whether ``take_store_ops`` has anything to return."""
+    def take_store_ops(self) -> list[tuple[bytes, bytes | None]]:
+        """Store operations since the last call (``None`` deletes the key), for one atomic
+        write that must complete before the next ``drain``: the output may depend on it."""
+    def store_failed(self, now_ms: int) -> list[int]:
+        """The batch last taken could not be written: clears the output of the connections
+        whose QoS 1/2 publishes were in it (no acknowledgement goes out) and returns them
+        for the caller to disconnect."""
+    def restore(self, records: list[tuple[bytes, bytes]]) -> list[tuple[bytes, str]]:
+        """Takes stored records at start-up, before any connection; returns the damaged ones
+        with the reason (skipped: reported, never delivered)."""
+    def finish_restore(self, now_ms: int) -> dict[str, int]:
+        """Rebuilds the state ``restore`` took; returns counts: sessions, messages, inflight,
+        retained, orphans, expired_sessions."""
     def events(self) -> list[tuple[str, str, str]]:
         """Log events since the last call: ``(kind, client_id, detail)``, kind one of
         ``connect``, ``disconnect``, ``takeover``, ``protocol_error``, ``drop``."""

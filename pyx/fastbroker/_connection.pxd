@@ -32,6 +32,14 @@ cdef class Server:
     cdef object engine_has_output
     cdef object loop_call_soon
     cdef object flush_callback
+    # Durable state (fastbroker.store.Store) or None; see flush().
+    cdef readonly object store
+    cdef object engine_has_store_ops
+    cdef object engine_take_store_ops
+    # The batch a failed store write left: retried before anything else is written.
+    cdef object failed_ops
+    cdef object store_retry_handle
+    cdef object sync_handle
 
     cpdef schedule_flush(self)
     cpdef flush(self)
@@ -40,6 +48,8 @@ cdef class Server:
     cdef log_engine_events(self)
     cdef recheck_paused(self)
     cdef reset_read_budgets(self)
+    cdef bint write_store_ops(self) except -1
+    cdef set_reading_all(self, bint reading)
 
 
 @cython.final

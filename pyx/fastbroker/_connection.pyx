@@ -6,10 +6,13 @@ loop iteration, schedules a flush that writes everything ``engine.drain`` return
 
 import logging
 import socket
+import time
 
 cimport cython
 from libc.stdint cimport uint64_t
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+from fastbroker.store import StoreWriteError
 
 logger = logging.getLogger("fastbroker.connection")
 event_logger = logging.getLogger("fastbroker.engine")
@@ -26,6 +29,8 @@ EVENT_LOG_LEVELS = {
 DEFAULT_TICK_INTERVAL = 0.1
 # One uvloop read is at most 256 KiB.
 DEFAULT_READ_BUDGET = 256 * 1024
+# How often a failed store write is retried (after trying to make the store writable).
+STORE_RETRY_INTERVAL = 1.0
 
 
 cdef uint64_t monotonic_now_ms() noexcept nogil:
@@ -45,7 +50,7 @@ cdef class Server:
 
     def __init__(self, engine, loop, Py_ssize_t write_buffer_high,
                  double tick_interval=DEFAULT_TICK_INTERVAL,
-                 Py_ssize_t read_budget=DEFAULT_READ_BUDGET):
+                 Py_ssize_t read_budget=DEFAULT_READ_BUDGET, store=None):
         self.engine = engine
         self.loop = loop
         self.connections = []
@@ -56,6 +61,12 @@ cdef class Server:
         self.paused = set()
         self.read_budget = read_budget
         self.fed_connections = []
+        self.store = store
+        self.engine_has_store_ops = engine.has_store_ops
+        self.engine_take_store_ops = engine.take_store_ops
+        self.failed_ops = None
+        self.store_retry_handle = None
+        self.sync_handle = None
         self.tick_interval = tick_interval
         self.tick_handle = None
         self.engine_feed = engine.feed
@@ -92,6 +103,9 @@ cdef class Server:
             self.reset_read_budgets()
         if self.paused:
             self.recheck_paused()
+        if self.store is not None and not self.write_store_ops():
+            # Nothing goes out while state it depends on is not stored.
+            return
         for conn_id, data, close in self.engine_drain():
             if conn_id < 0 or conn_id >= len(connections):
                 continue
@@ -132,7 +146,13 @@ cdef class Server:
         self.tick_handle = self.loop.call_later(self.tick_interval, self.on_tick)
         if self.paused:
             self.recheck_paused()
-        self.engine.tick(monotonic_now_ms())
+        if self.failed_ops is not None:
+            # Clients are not read while the store fails: their keepalives cannot count.
+            return
+        now = monotonic_now_ms()
+        # Stored times are wall-clock; the two clocks drift apart, so re-pair them.
+        self.engine.set_wall_clock(<uint64_t>(time.time() * 1000), now)
+        self.engine.tick(now)
         self.log_engine_events()
         if self.engine.has_output():
             self.flush()
@@ -184,6 +204,89 @@ cdef class Server:
                 connection.reading_paused = False
                 if connection.transport is not None:
                     connection.transport.resume_reading()
+
+    cdef bint write_store_ops(self) except -1:
+        """Writes the engine's store operations as one batch; False while the store fails.
+
+        Every acknowledgement or PUBLISH in the coming drain may depend on these records (a
+        PUBACK on the message being stored, a QoS 2 PUBLISH on its packet id being stored),
+        so they are written first. If the write fails (e.g. disk full): the publishers of
+        the batch are disconnected before their acknowledgements go out, every connection
+        stops being read (so no new state piles up), output is held, and the batch is
+        retried every STORE_RETRY_INTERVAL until the store takes it; then all resumes."""
+        if self.failed_ops is not None:
+            return False
+        if not self.engine_has_store_ops():
+            return True
+        ops = self.engine_take_store_ops()
+        try:
+            self.store.write(ops)
+        except StoreWriteError as error:
+            logger.error("%s; publishers of the failed batch are disconnected, reading is "
+                         "paused until it is stored", error)
+            self.failed_ops = ops
+            for conn_id in self.engine.store_failed(monotonic_now_ms()):
+                entry = self.connections[conn_id] if conn_id < len(self.connections) else None
+                if entry is not None and (<Connection>entry).transport is not None:
+                    (<Connection>entry).transport.abort()
+            self.set_reading_all(False)
+            self.store_retry_handle = self.loop.call_later(STORE_RETRY_INTERVAL,
+                                                           self.retry_store)
+            return False
+        return True
+
+    def retry_store(self):
+        self.store_retry_handle = None
+        ops = self.failed_ops
+        if ops is None:
+            return
+        try:
+            if self.store.recover():
+                self.store.write(ops)
+                self.failed_ops = None
+        except StoreWriteError as error:
+            logger.warning("store still failing: %s", error)
+        if self.failed_ops is not None:
+            self.store_retry_handle = self.loop.call_later(STORE_RETRY_INTERVAL,
+                                                           self.retry_store)
+            return
+        logger.warning("store writable again; the held batch is stored, resuming")
+        self.set_reading_all(True)
+        self.flush()
+
+    def start_syncing(self, double interval):
+        """Group commit for fsync = "interval": the WAL is synced every ``interval`` s."""
+        if self.sync_handle is None:
+            self.sync_handle = self.loop.call_later(interval, self.on_sync, interval)
+
+    def stop_syncing(self):
+        if self.sync_handle is not None:
+            self.sync_handle.cancel()
+            self.sync_handle = None
+
+    def on_sync(self, double interval):
+        self.sync_handle = self.loop.call_later(interval, self.on_sync, interval)
+        if self.failed_ops is not None:
+            return
+        try:
+            self.store.sync()
+        except StoreWriteError as error:
+            # The next write fails the same way and takes the failure path.
+            logger.error("%s", error)
+
+    cdef set_reading_all(self, bint reading):
+        cdef Connection connection
+        for entry in self.connections:
+            if entry is None:
+                continue
+            connection = <Connection>entry
+            if connection.transport is None or connection.transport.is_closing():
+                continue
+            if reading:
+                if not connection.reading_paused:
+                    connection.transport.resume_reading()
+            else:
+                connection.transport.pause_reading()
 
     cdef log_engine_events(self):
         # Drained even when nothing is logged, so the engine's event buffer stays bounded.

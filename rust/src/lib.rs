@@ -11,4 +11,5 @@ pub mod codec;
 mod py;
 #[cfg(feature = "python")]
 mod py_codec;
+pub mod store;
 pub mod topics;

@@ -108,6 +108,62 @@ impl PyEngine {
         }
     }
 
+    fn set_wall_clock(&mut self, wall_ms: u64, now_ms: u64) {
+        self.inner.set_wall_clock(wall_ms, now_ms)
+    }
+
+    fn has_store_ops(&self) -> bool {
+        self.inner.has_store_ops()
+    }
+
+    fn take_store_ops<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for (key, value) in self.inner.take_store_ops() {
+            let key = PyBytes::new(py, &key);
+            match value {
+                Some(v) => list.append((key, PyBytes::new(py, &v)))?,
+                None => list.append((key, py.None()))?,
+            }
+        }
+        Ok(list)
+    }
+
+    fn store_failed(&mut self, now_ms: u64) -> Vec<u32> {
+        self.inner.store_failed(now_ms)
+    }
+
+    fn restore<'py>(
+        &mut self,
+        py: Python<'py>,
+        records: Vec<(Vec<u8>, Vec<u8>)>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let refs: Vec<(&[u8], &[u8])> = records
+            .iter()
+            .map(|(k, v)| (k.as_slice(), v.as_slice()))
+            .collect();
+        let list = PyList::empty(py);
+        for (key, why) in self.inner.restore(&refs) {
+            list.append((PyBytes::new(py, &key), why))?;
+        }
+        Ok(list)
+    }
+
+    fn finish_restore<'py>(
+        &mut self,
+        py: Python<'py>,
+        now_ms: u64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.finish_restore(now_ms);
+        let d = PyDict::new(py);
+        d.set_item("sessions", s.sessions)?;
+        d.set_item("messages", s.messages)?;
+        d.set_item("inflight", s.inflight)?;
+        d.set_item("retained", s.retained)?;
+        d.set_item("orphans", s.orphans)?;
+        d.set_item("expired_sessions", s.expired_sessions)?;
+        Ok(d)
+    }
+
     fn events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let list = PyList::empty(py);
         for (kind, client, detail) in self.inner.take_events() {

@@ -3,8 +3,12 @@
 import asyncio
 from typing import Any
 
+from fastbroker.store import Store
+
 EVENT_LOG_LEVELS: dict[str, int]
 DEFAULT_TICK_INTERVAL: float
+DEFAULT_READ_BUDGET: int
+STORE_RETRY_INTERVAL: float
 
 def monotonic_ms() -> int: ...
 
@@ -14,6 +18,7 @@ class Server:
     write_buffer_low: int
     tick_interval: float
     read_budget: int
+    store: Store | None
     def __init__(
         self,
         engine: Any,
@@ -21,6 +26,7 @@ class Server:
         write_buffer_high: int,
         tick_interval: float = ...,
         read_budget: int = ...,
+        store: Store | None = ...,
     ) -> None: ...
     def new_connection(self) -> Connection: ...
     @property
@@ -30,6 +36,10 @@ class Server:
     def start_ticking(self) -> None: ...
     def stop_ticking(self) -> None: ...
     def on_tick(self) -> None: ...
+    def retry_store(self) -> None: ...
+    def start_syncing(self, interval: float) -> None: ...
+    def stop_syncing(self) -> None: ...
+    def on_sync(self, interval: float) -> None: ...
     def close_connections(self) -> None: ...
     def abort_connections(self) -> None: ...
 

@@ -45,6 +45,9 @@ class StorageConfig:
     # returns, "interval" every fsync_interval_ms, "never" when the OS decides.
     fsync: str = "interval"
     fsync_interval_ms: int = 10
+    # Stored values (messages, retained payloads) above this many bytes are zstd-compressed;
+    # 0 = never.
+    compress_above: int = 4096
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "data_dir": nonempty_string,
         "fsync": one_of(*FSYNC_POLICIES),
         "fsync_interval_ms": integer(FSYNC_INTERVAL_MS_MIN, FSYNC_INTERVAL_MS_MAX),
+        "compress_above": integer(0, U63_MAX),
     },
     "log": {"level": log_level},
     "sys": {"interval": number(0)},
@@ -211,13 +215,16 @@ def validate_tables(tables: Mapping[str, Any], source: str) -> dict[str, dict[st
     return sections
 
 
+ENGINE_OWN_KEYS = frozenset({"version", "durable", "compress_above"})
+
+
 def check_mqtt(values: Mapping[str, Any], source: str) -> dict[str, Any]:
     """The [mqtt] keys, checked by the engine itself so its rules live in one place (the
     Rust `Config::set`); each key is tried alone so the error names the one at fault."""
     for key, value in values.items():
         try:
-            # "version" is the broker's own, set at startup, not a user setting.
-            if key == "version":
+            # Set by the broker itself at startup (version, and [storage] settings), not here.
+            if key in ENGINE_OWN_KEYS:
                 raise ValueError(f"unknown setting {key!r}")
             fastbroker_core.Engine({key: value})
         except ValueError as error:

@@ -9,15 +9,17 @@ import resource
 import signal
 import socket
 import sys
+import time
 from typing import Any
 
 import fastbroker_core
 import uvloop
 
 from fastbroker import __version__
-from fastbroker._connection import Server
+from fastbroker._connection import Server, monotonic_ms
 from fastbroker.config import Config, ConfigError
 from fastbroker.heap import HeapTrimmer
+from fastbroker.store import Store, StoreError
 from fastbroker.sys_topics import SysTopicPublisher
 
 logger = logging.getLogger("fastbroker.server")
@@ -41,8 +43,58 @@ def configure_logging(level: str) -> None:
 
 
 def engine_config(config: Config) -> dict[str, Any]:
-    """The [mqtt] table as the engine's config, plus the version it reports."""
-    return {**config.mqtt, "version": __version__}
+    """The [mqtt] table as the engine's config, plus what the broker sets itself."""
+    return {
+        **config.mqtt,
+        "version": __version__,
+        "durable": True,
+        "compress_above": config.storage.compress_above,
+    }
+
+
+def wall_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+# Records handed to the engine per call at start-up.
+RESTORE_CHUNK = 10_000
+
+
+def restore(engine: Any, store: Store) -> None:
+    """Rebuilds the engine's durable state from the store; damaged records are reported (and
+    left on disk for inspection), never delivered."""
+    started = time.monotonic()
+    engine.set_wall_clock(wall_ms(), monotonic_ms())
+    damaged = 0
+    chunk: list[tuple[bytes, bytes]] = []
+    for record in store.load():
+        chunk.append(record)
+        if len(chunk) >= RESTORE_CHUNK:
+            damaged += report_damaged(engine.restore(chunk))
+            chunk = []
+    damaged += report_damaged(engine.restore(chunk))
+    summary = engine.finish_restore(monotonic_ms())
+    # Deletes of orphaned records and wills that fired at start.
+    store.write(engine.take_store_ops())
+    if any(summary.values()) or damaged:
+        logger.info(
+            "restored %d sessions, %d queued and %d in-flight messages, %d retained messages "
+            "in %.2f s (%d expired sessions and %d orphaned records removed, %d damaged)",
+            summary["sessions"],
+            summary["messages"],
+            summary["inflight"],
+            summary["retained"],
+            time.monotonic() - started,
+            summary["expired_sessions"],
+            summary["orphans"],
+            damaged,
+        )
+
+
+def report_damaged(bad: list[tuple[bytes, str]]) -> int:
+    for key, why in bad:
+        logger.error("stored record %r is damaged and skipped: %s", key[:80], why)
+    return len(bad)
 
 
 def format_address(host: str, port: int) -> str:
@@ -86,17 +138,55 @@ def run(config: Config) -> None:
     uvloop.run(serve(config, engine))
 
 
+def open_store(config: Config, engine: Any) -> Store:
+    """Opens the data directory's store and rebuilds the engine's durable state from it."""
+    storage = config.storage
+    try:
+        store = Store.open(storage.data_dir, storage.fsync, storage.fsync_interval_ms)
+    except StoreError as error:
+        raise StartupError(str(error)) from None
+    try:
+        restore(engine, store)
+    except StoreError as error:
+        store.close()
+        raise StartupError(str(error)) from None
+    return store
+
+
 async def serve(config: Config, engine: Any) -> None:
     loop = asyncio.get_running_loop()
     host, port = config.listener.host, config.listener.port
-    server = Server(engine, loop, config.listener.write_buffer_high)
+    server: Server | None = None
     try:
+        # Bound before the store is opened, so a port in use fails fast and touches nothing;
+        # connections wait in the backlog until the state is restored.
         listener = await loop.create_server(
-            server.new_connection, host, port, backlog=LISTEN_BACKLOG
+            lambda: server.new_connection(),  # type: ignore[union-attr]
+            host,
+            port,
+            backlog=LISTEN_BACKLOG,
+            start_serving=False,
         )
     except OSError as error:
         address = format_address(host, port)
         raise StartupError(f"cannot listen on {address}: {os_error_reason(error)}") from None
+    store = open_store(config, engine)
+    try:
+        server = Server(engine, loop, config.listener.write_buffer_high, store=store)
+        await run_server(config, engine, server, listener, store)
+    finally:
+        try:
+            store.close()
+        except StoreError as error:
+            logger.error("%s", error)
+
+
+async def run_server(
+    config: Config, engine: Any, server: Server, listener: asyncio.Server, store: Store
+) -> None:
+    loop = asyncio.get_running_loop()
+    host, port = config.listener.host, config.listener.port
+    await listener.start_serving()
 
     stop_requested = asyncio.Event()
     # Installed before the "listening" line, so a signal sent on seeing it is always handled.
@@ -104,6 +194,8 @@ async def serve(config: Config, engine: Any) -> None:
         loop.add_signal_handler(signum, stop_requested.set)
 
     server.start_ticking()
+    if store.fsync == "interval":
+        server.start_syncing(store.fsync_interval_ms / 1000)
     sys_topics = SysTopicPublisher(engine, server, loop, config.sys.interval, __version__)
     sys_topics.start()
     heap_trimmer = HeapTrimmer(loop)
@@ -119,6 +211,7 @@ async def serve(config: Config, engine: Any) -> None:
     heap_trimmer.stop()
     await close_connections(server)
     server.stop_ticking()
+    server.stop_syncing()
     await listener.wait_closed()
     logger.info("stopped")
 

@@ -34,6 +34,15 @@ pub struct Config {
     pub max_client_id_len: usize,
     /// Broker version string, for `$SYS` and logs.
     pub version: String,
+    /// Most retained messages kept (0 = no limit): past it, a retained PUBLISH to a new topic
+    /// is delivered but not retained.
+    pub max_retained_messages: usize,
+    /// Largest payload kept as a retained message (0 = no limit besides the packet size).
+    pub max_retained_size: usize,
+    /// Whether persistent sessions and retained messages are stored (`take_store_ops`).
+    pub durable: bool,
+    /// Stored values longer than this are compressed (0 = never).
+    pub compress_above: usize,
 }
 
 impl Default for Config {
@@ -54,6 +63,10 @@ impl Default for Config {
             denied_subscriptions: Vec::new(),
             max_client_id_len: 65535,
             version: String::new(),
+            max_retained_messages: 1_000_000,
+            max_retained_size: 0,
+            durable: false,
+            compress_above: 4096,
         }
     }
 }
@@ -110,6 +123,12 @@ impl Config {
                 }
                 _ => return Err(format!("{key} must be a list of topic filters")),
             },
+            "max_retained_messages" => {
+                self.max_retained_messages = int(key, &value, 0, i64::MAX)? as usize
+            }
+            "max_retained_size" => self.max_retained_size = int(key, &value, 0, i64::MAX)? as usize,
+            "durable" => self.durable = boolean(key, &value)?,
+            "compress_above" => self.compress_above = int(key, &value, 0, i64::MAX)? as usize,
             "version" => match value {
                 Value::Str(s) => self.version = s,
                 _ => return Err(format!("{key} must be a string")),

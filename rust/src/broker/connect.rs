@@ -211,6 +211,8 @@ impl Engine {
                 c.clean_start
             ),
         );
+        // Stored before the CONNACK goes out (the caller writes operations before output).
+        self.persist_session(sid, now);
         if session_present {
             self.resend_inflight(sid, id, now);
         }
@@ -218,7 +220,10 @@ impl Engine {
     }
 
     fn new_session(&mut self, client_id: Arc<str>) -> SessionId {
-        let session = Session::new(client_id.clone());
+        self.insert_session(client_id.clone(), Session::new(client_id))
+    }
+
+    pub(super) fn insert_session(&mut self, client_id: Arc<str>, session: Session) -> SessionId {
         let sid = match self.free_sessions.pop() {
             Some(sid) => {
                 self.sessions[sid as usize] = Some(session);

@@ -8,6 +8,9 @@
 
 mod config;
 mod connect;
+mod durable;
+#[cfg(test)]
+mod durable_tests;
 mod router;
 mod state;
 mod subscribe;
@@ -19,6 +22,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 pub use config::{Config, Value};
+pub use durable::{RestoreSummary, StoreOp};
 pub use state::{ConnId, SessionId};
 
 use crate::codec::{self, Ack, Disconnect, Packet, Properties, Protocol};
@@ -59,6 +63,16 @@ pub struct Engine {
     assigned_ids: u64,
     last_purge: u64,
     scratch: router::RouteScratch,
+    /// Store operations not yet taken by the caller (`take_store_ops`).
+    store_ops: Vec<durable::StoreOp>,
+    /// Connections whose QoS 1/2 publishes produced operations since the last take, and
+    /// those of the batch last taken (disconnected if its write fails).
+    batch_publishers: Vec<ConnId>,
+    unconfirmed_publishers: Vec<ConnId>,
+    /// Wall-clock ms minus monotonic ms.
+    wall_offset: i64,
+    /// Records being read back at start-up.
+    restoring: Option<Box<durable::Restoring>>,
 }
 
 impl Engine {
@@ -80,6 +94,11 @@ impl Engine {
             assigned_ids: 0,
             last_purge: 0,
             scratch: router::RouteScratch::default(),
+            store_ops: Vec::new(),
+            batch_publishers: Vec::new(),
+            unconfirmed_publishers: Vec::new(),
+            wall_offset: 0,
+            restoring: None,
         }
     }
 
@@ -405,6 +424,8 @@ impl Engine {
         }
         if expiry == 0 {
             self.end_session(sid, now);
+        } else {
+            self.persist_session(sid, now);
         }
     }
 
@@ -428,6 +449,7 @@ impl Engine {
 
     /// Removes a session and all its subscriptions; a pending will goes out first.
     fn end_session(&mut self, sid: SessionId, now: u64) {
+        self.unpersist_session(sid);
         let Some(session) = self.sessions.get_mut(sid as usize).and_then(|s| s.take()) else {
             return;
         };

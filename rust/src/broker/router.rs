@@ -107,7 +107,9 @@ impl Engine {
             }
             QoS::AtLeastOnce => {
                 let pkid = p.pkid;
+                let ops_before = self.store_ops.len();
                 let delivered = self.route(Arc::new(message_of(p, sid, now)), now);
+                self.note_publisher(id, ops_before);
                 // 0x10: "no matching subscribers", as MQTT 5 lets the server say.
                 let code = if v5 && delivered == 0 { 0x10 } else { 0 };
                 self.send(id, &Packet::PubAck(Engine::ack(pkid, code)));
@@ -125,7 +127,10 @@ impl Engine {
                     return self.close(id, Some(0x93), "receive maximum exceeded", true, now);
                 }
                 session.inbound_qos2.insert(pkid);
+                let ops_before = self.store_ops.len();
+                self.store_inbound(sid, pkid, true);
                 let delivered = self.route(Arc::new(message_of(p, sid, now)), now);
+                self.note_publisher(id, ops_before);
                 let code = if v5 && delivered == 0 { 0x10 } else { 0 };
                 self.send(id, &Packet::PubRec(Engine::ack(pkid, code)));
             }
@@ -139,6 +144,9 @@ impl Engine {
         let known = self
             .session_mut(sid)
             .is_some_and(|s| s.inbound_qos2.remove(&ack.pkid));
+        if known {
+            self.store_inbound(sid, ack.pkid, false);
+        }
         // 0x92: packet identifier not found (MQTT 5; 3.1.1 ignores the code).
         let code = if known { 0 } else { 0x92 };
         self.send(id, &Packet::PubComp(Engine::ack(ack.pkid, code)));
@@ -164,11 +172,14 @@ impl Engine {
         match pos {
             Some(i) if ack.reason_code >= 0x80 => {
                 // The receiver refused it: the exchange ends here (MQTT 5 4.3.3).
-                session.inflight.remove(i);
+                let done = session.inflight.remove(i).expect("index valid");
+                self.forget_delivery(sid, done.delivery.seq);
                 self.pump(sid, now);
             }
             Some(i) => {
                 session.inflight[i].state = AwaitingAck::PubComp;
+                let seq = session.inflight[i].delivery.seq;
+                self.store_flight(sid, seq, ack.pkid, AwaitingAck::PubComp);
                 self.send(id, &Packet::PubRel(Engine::ack(ack.pkid, 0)));
             }
             None => {
@@ -198,7 +209,8 @@ impl Engine {
             .iter()
             .position(|f| f.pkid == pkid && f.state == state)
         {
-            session.inflight.remove(i);
+            let done = session.inflight.remove(i).expect("index valid");
+            self.forget_delivery(sid, done.delivery.seq);
             self.pump(sid, now);
         }
     }
@@ -207,10 +219,17 @@ impl Engine {
     /// many sessions it was delivered or queued to.
     pub(super) fn route(&mut self, msg: Arc<Message>, now: u64) -> usize {
         if msg.retain {
+            // $SYS topics are the broker's own, republished after a restart.
+            let stored = !msg.topic.starts_with(b"$SYS");
             if msg.payload.is_empty() {
-                self.retained.remove(&msg.topic);
-            } else {
+                if self.retained.remove(&msg.topic).is_some() && stored {
+                    self.store_retained(&msg.topic.clone(), None, now);
+                }
+            } else if self.retain_allowed(&msg) {
                 self.retained.insert(&msg.topic, msg.clone());
+                if stored {
+                    self.store_retained(&msg.topic.clone(), Some(&*msg), now);
+                }
             }
         }
         let mut scratch = mem::take(&mut self.scratch);
@@ -275,6 +294,27 @@ impl Engine {
         count
     }
 
+    /// Whether `msg` may be kept as a retained message under the configured limits (a
+    /// replacement of an existing topic always may, unless too large). Refusals are logged;
+    /// the message is still delivered.
+    fn retain_allowed(&mut self, msg: &Message) -> bool {
+        let max_size = self.cfg.max_retained_size;
+        let max_count = self.cfg.max_retained_messages;
+        let why = if max_size > 0 && msg.payload.len() > max_size {
+            "payload above max_retained_size"
+        } else if max_count > 0
+            && self.retained.len() >= max_count
+            && self.retained.get(&msg.topic).is_none()
+        {
+            "max_retained_messages reached"
+        } else {
+            return true;
+        };
+        let topic = String::from_utf8_lossy(&msg.topic).into_owned();
+        self.event("retained_refused", Arc::from(""), format!("{topic}: {why}"));
+        false
+    }
+
     /// Sends `msg` to session `sid` now if it can go, else queues it (bounded). A QoS 0
     /// message that goes now is encoded straight from the shared message.
     pub(super) fn deliver(
@@ -315,6 +355,7 @@ impl Engine {
             qos,
             retain,
             sub_ids,
+            seq: 0,
         };
         if can_send {
             self.transmit(sid, conn.expect("checked"), d, now);
@@ -334,7 +375,7 @@ impl Engine {
         Some(cap.saturating_sub(session.inflight.len()))
     }
 
-    fn enqueue(&mut self, sid: SessionId, d: Delivery) {
+    fn enqueue(&mut self, sid: SessionId, mut d: Delivery) {
         let max_msgs = self.cfg.max_queued_messages;
         let max_bytes = self.cfg.max_queued_bytes;
         let mut dropped = 0;
@@ -357,6 +398,8 @@ impl Engine {
         if full(session) {
             dropped += 1;
         } else {
+            self.store_delivery(sid, &mut d, self.last_now);
+            let session = self.session_mut(sid).expect("caller checked");
             session.queued_bytes += size;
             session.queue.push_back(d);
         }
@@ -393,6 +436,7 @@ impl Engine {
             let d = session.queue.pop_front().expect("front exists");
             session.queued_bytes -= d.msg.payload.len();
             if d.msg.expired(now) {
+                self.forget_delivery(sid, d.seq);
                 continue;
             }
             self.transmit(sid, cid, d, now);
@@ -400,10 +444,13 @@ impl Engine {
     }
 
     /// Puts `d` on the wire for connection `cid` of session `sid`, in flight if QoS > 0.
-    fn transmit(&mut self, sid: SessionId, cid: ConnId, d: Delivery, now: u64) {
+    fn transmit(&mut self, sid: SessionId, cid: ConnId, mut d: Delivery, now: u64) {
         if d.msg.expired(now) {
+            self.forget_delivery(sid, d.seq);
             return;
         }
+        // Stored (with its packet id, below) before the PUBLISH can reach the network.
+        self.store_delivery(sid, &mut d, now);
         let pkid = if d.qos == QoS::AtMostOnce {
             0
         } else {
@@ -412,6 +459,7 @@ impl Engine {
         if !self.send_publish(cid, &d.msg, d.qos, d.retain, &d.sub_ids, pkid, false, now) {
             // Too large for this client: dropped as if delivered (MQTT-3.1.2-25).
             self.stats.publish_dropped += 1;
+            self.forget_delivery(sid, d.seq);
             return;
         }
         if d.qos != QoS::AtMostOnce {
@@ -420,6 +468,7 @@ impl Engine {
             } else {
                 AwaitingAck::PubRec
             };
+            self.store_flight(sid, d.seq, pkid, state);
             self.session_mut(sid)
                 .expect("exists")
                 .inflight

@@ -45,6 +45,8 @@ pub struct Delivery {
     pub retain: bool,
     /// Subscription identifiers of every matching subscription (MQTT 5).
     pub sub_ids: Vec<u32>,
+    /// Number of its stored record (durable sessions, QoS 1/2); 0 = not stored.
+    pub seq: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -150,6 +152,10 @@ pub struct Session {
     pub next_pkid: u16,
     /// In the engine's pending-pump list (queue sending stopped at its budget).
     pub pump_pending: bool,
+    /// Whether the session has records in the store.
+    pub stored: bool,
+    /// Sequence number of the last stored message (keys of its records).
+    pub next_seq: u64,
     /// QoS 2 packet ids received and passed on, awaiting PUBREL: a repeat is not delivered
     /// again.
     pub inbound_qos2: HashSet<u16>,
@@ -168,6 +174,8 @@ impl Session {
             queue: VecDeque::new(),
             queued_bytes: 0,
             pump_pending: false,
+            stored: false,
+            next_seq: 0,
             inflight: VecDeque::new(),
             next_pkid: 1,
             inbound_qos2: HashSet::new(),

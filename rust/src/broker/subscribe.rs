@@ -67,6 +67,7 @@ impl Engine {
                 retained_for.push((f.filter.clone(), opts));
             }
         }
+        self.persist_session(sid, now);
         self.send(
             id,
             &Packet::SubAck(SubAck {
@@ -111,6 +112,7 @@ impl Engine {
             // 0x11: "no subscription existed".
             codes.push(if existed { 0x00 } else { 0x11 });
         }
+        self.persist_session(sid, self.last_now);
         self.send(
             id,
             &Packet::UnsubAck(UnsubAck {

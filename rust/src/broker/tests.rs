@@ -11,20 +11,20 @@ use crate::codec::{
     Subscribe, SubscribeFilter, Unsubscribe,
 };
 
-struct Harness {
-    e: Engine,
-    now: u64,
+pub(super) struct Harness {
+    pub(super) e: Engine,
+    pub(super) now: u64,
     protocols: HashMap<ConnId, Protocol>,
-    rx: HashMap<ConnId, BytesMut>,
+    pub(super) rx: HashMap<ConnId, BytesMut>,
     closed: Vec<ConnId>,
 }
 
 impl Harness {
-    fn new() -> Harness {
+    pub(super) fn new() -> Harness {
         Harness::with(Config::default())
     }
 
-    fn with(cfg: Config) -> Harness {
+    pub(super) fn with(cfg: Config) -> Harness {
         Harness {
             e: Engine::new(cfg),
             now: 1_000_000,
@@ -34,14 +34,14 @@ impl Harness {
         }
     }
 
-    fn send(&mut self, id: ConnId, p: Packet) {
+    pub(super) fn send(&mut self, id: ConnId, p: Packet) {
         let mut buf = Vec::new();
         codec::encode(&p, self.protocols[&id], &mut buf).unwrap();
         self.e.feed(id, &buf, self.now);
     }
 
     /// Everything the engine wrote to each connection since the last call, decoded.
-    fn recv(&mut self) -> HashMap<ConnId, Vec<Packet>> {
+    pub(super) fn recv(&mut self) -> HashMap<ConnId, Vec<Packet>> {
         let mut raw: Vec<(ConnId, Vec<u8>, bool)> = Vec::new();
         self.e
             .drain(|id, data, close| raw.push((id, data.to_vec(), close)));
@@ -60,12 +60,12 @@ impl Harness {
         out
     }
 
-    fn recv_one(&mut self, id: ConnId) -> Vec<Packet> {
+    pub(super) fn recv_one(&mut self, id: ConnId) -> Vec<Packet> {
         self.recv().remove(&id).unwrap_or_default()
     }
 
     /// Connects; returns the connection and everything it received (CONNACK first).
-    fn connect_with(&mut self, c: Connect) -> (ConnId, Vec<Packet>) {
+    pub(super) fn connect_with(&mut self, c: Connect) -> (ConnId, Vec<Packet>) {
         let id = self.e.open(self.now);
         self.protocols.insert(id, c.protocol);
         self.send(id, Packet::Connect(Box::new(c)));
@@ -74,7 +74,7 @@ impl Harness {
         (id, got)
     }
 
-    fn connect(&mut self, client_id: &str, protocol: Protocol, clean: bool) -> ConnId {
+    pub(super) fn connect(&mut self, client_id: &str, protocol: Protocol, clean: bool) -> ConnId {
         let (id, got) = self.connect_with(connect(client_id, protocol, clean));
         match &got[0] {
             Packet::ConnAck(a) => assert_eq!(a.reason_code, 0),
@@ -83,11 +83,17 @@ impl Harness {
         id
     }
 
-    fn subscribe(&mut self, id: ConnId, filter: &str, qos: QoS) -> Vec<u8> {
+    pub(super) fn subscribe(&mut self, id: ConnId, filter: &str, qos: QoS) -> Vec<u8> {
         self.subscribe_with(id, filter, qos, Properties::default())
     }
 
-    fn subscribe_with(&mut self, id: ConnId, filter: &str, qos: QoS, props: Properties) -> Vec<u8> {
+    pub(super) fn subscribe_with(
+        &mut self,
+        id: ConnId,
+        filter: &str,
+        qos: QoS,
+        props: Properties,
+    ) -> Vec<u8> {
         self.send(
             id,
             Packet::Subscribe(Subscribe {
@@ -102,7 +108,14 @@ impl Harness {
         }
     }
 
-    fn publish(&mut self, id: ConnId, topic: &str, payload: &str, qos: QoS, retain: bool) {
+    pub(super) fn publish(
+        &mut self,
+        id: ConnId,
+        topic: &str,
+        payload: &str,
+        qos: QoS,
+        retain: bool,
+    ) {
         self.send(
             id,
             Packet::Publish(publish(
@@ -116,7 +129,7 @@ impl Harness {
     }
 }
 
-fn connect(client_id: &str, protocol: Protocol, clean: bool) -> Connect {
+pub(super) fn connect(client_id: &str, protocol: Protocol, clean: bool) -> Connect {
     Connect {
         protocol,
         clean_start: clean,
@@ -129,7 +142,7 @@ fn connect(client_id: &str, protocol: Protocol, clean: bool) -> Connect {
     }
 }
 
-fn sub_filter(filter: &str, qos: QoS) -> SubscribeFilter {
+pub(super) fn sub_filter(filter: &str, qos: QoS) -> SubscribeFilter {
     SubscribeFilter {
         filter: filter.to_string(),
         qos,
@@ -137,6 +150,16 @@ fn sub_filter(filter: &str, qos: QoS) -> SubscribeFilter {
         retain_as_published: false,
         retain_handling: 0,
     }
+}
+
+pub(super) fn publish_packet(
+    topic: &str,
+    payload: &str,
+    qos: QoS,
+    retain: bool,
+    pkid: u16,
+) -> Publish {
+    publish(topic, payload, qos, retain, pkid)
 }
 
 fn publish(topic: &str, payload: &str, qos: QoS, retain: bool, pkid: u16) -> Publish {
@@ -151,7 +174,7 @@ fn publish(topic: &str, payload: &str, qos: QoS, retain: bool, pkid: u16) -> Pub
     }
 }
 
-fn publishes(packets: &[Packet]) -> Vec<&Publish> {
+pub(super) fn publishes(packets: &[Packet]) -> Vec<&Publish> {
     packets
         .iter()
         .filter_map(|p| match p {

@@ -8,6 +8,32 @@ use super::Engine;
 const RETAINED_PURGE_MS: u64 = 10_000;
 
 impl Engine {
+    /// Drops expired messages from the queues of offline sessions (connected ones drop them
+    /// as they are sent), so they leave memory and the store.
+    fn purge_expired_queued(&mut self, now: u64) {
+        let mut forgotten: Vec<(SessionId, u64)> = Vec::new();
+        for (i, s) in self.sessions.iter_mut().enumerate() {
+            let Some(s) = s else { continue };
+            if s.conn.is_some() || !s.queue.iter().any(|d| d.msg.expired(now)) {
+                continue;
+            }
+            let mut freed = 0;
+            s.queue.retain(|d| {
+                if d.msg.expired(now) {
+                    freed += d.msg.payload.len();
+                    forgotten.push((i as SessionId, d.seq));
+                    false
+                } else {
+                    true
+                }
+            });
+            s.queued_bytes -= freed;
+        }
+        for (sid, seq) in forgotten {
+            self.forget_delivery(sid, seq);
+        }
+    }
+
     pub fn tick(&mut self, now: u64) {
         self.last_now = now;
         let connect_timeout = self.cfg.connect_timeout_ms;
@@ -61,6 +87,7 @@ impl Engine {
         for sid in wills {
             if let Some((will, _)) = self.session_mut(sid).and_then(|s| s.pending_will.take()) {
                 self.publish_will(*will, sid, now);
+                self.persist_session(sid, now);
             }
         }
         for sid in expired {
@@ -69,7 +96,20 @@ impl Engine {
 
         if now >= self.last_purge + RETAINED_PURGE_MS {
             self.last_purge = now;
-            self.retained.retain(|m| !m.expired(now));
+            let mut gone = Vec::new();
+            self.retained.retain(|m| {
+                let expired = m.expired(now);
+                if expired {
+                    gone.push(m.topic.clone());
+                }
+                !expired
+            });
+            for topic in gone {
+                if !topic.starts_with(b"$SYS") {
+                    self.store_retained(&topic, None, now);
+                }
+            }
+            self.purge_expired_queued(now);
         }
     }
 }

@@ -552,3 +552,19 @@ fn unsuback(r: &mut Reader<'_>, v5: bool) -> Result<UnsubAck> {
         properties,
     })
 }
+
+/// A property block (length prefix included) read on its own: the stored form of a message's
+/// or will's properties. `will` selects the will-properties context, else PUBLISH's.
+pub(super) fn properties(data: &Bytes, will: bool) -> Result<Properties> {
+    let mut r = Reader {
+        buf: data,
+        pos: 0,
+        end: data.len(),
+    };
+    let ctx = if will { WILL } else { CTX_PUBLISH };
+    let p = props::read(&mut r, ctx)?;
+    if r.remaining() != 0 {
+        return Err(DecodeError::Malformed("bytes after the properties"));
+    }
+    Ok(p)
+}

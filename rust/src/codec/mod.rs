@@ -71,6 +71,19 @@ pub fn decode(
     decode::decode(buf, protocol, max_packet_size)
 }
 
+/// Appends `p` as an MQTT 5 property block (length prefix included): how stored records keep
+/// a message's or will's properties. `decode_properties` reads it back.
+pub fn encode_properties(p: &Properties, out: &mut Vec<u8>) -> Result<(), EncodeError> {
+    let body = props::body_len(p)?;
+    props::write(Some(p), body, out);
+    Ok(())
+}
+
+/// Reads a block written by `encode_properties`, checked as PUBLISH (or will) properties.
+pub fn decode_properties(data: &[u8], will: bool) -> Result<Properties, DecodeError> {
+    decode::properties(&bytes::Bytes::copy_from_slice(data), will)
+}
+
 /// Appends the encoding of `packet` for `protocol` to `out`. Properties are written only for
 /// MQTT 5. A CONNACK's 5.0 reason code is mapped to the 3.1.1 return code for 3.1.1.
 ///

@@ -1,0 +1,448 @@
+//! Keys and bodies of the stored records.
+//!
+//! Every key starts with its kind, then the client id (length-prefixed, so one client's keys
+//! are one contiguous range that no other client id can fall into) or the topic: the unit a
+//! cluster replicates. Numbers in keys are big-endian, so RocksDB's byte order is their order.
+//!
+//! | kind | key | value |
+//! |---|---|---|
+//! | `s` | client | session: expiry, subscriptions, will, disconnect time |
+//! | `m` | client, seq u64 | a message for the session (queued or in flight) |
+//! | `f` | client, seq u64 | in-flight state of message `seq`: packet id, ack awaited |
+//! | `q` | client, packet id u16 | inbound QoS 2 packet id awaiting PUBREL |
+//! | `r` | topic | retained message |
+
+use bytes::Bytes;
+
+use super::wire::{BodyError, Reader, Writer};
+use crate::codec::{self, LastWill, Properties, QoS};
+use crate::topics::SubOpts;
+
+pub const SESSION: u8 = b's';
+pub const MESSAGE: u8 = b'm';
+pub const FLIGHT: u8 = b'f';
+pub const INBOUND: u8 = b'q';
+pub const RETAINED: u8 = b'r';
+
+fn client_prefix(kind: u8, client_id: &str, extra: usize) -> Vec<u8> {
+    let id = client_id.as_bytes();
+    let mut k = Vec::with_capacity(3 + id.len() + extra);
+    k.push(kind);
+    // Client ids are MQTT strings: at most 65,535 bytes.
+    k.extend_from_slice(&(id.len() as u16).to_be_bytes());
+    k.extend_from_slice(id);
+    k
+}
+
+pub fn session_key(client_id: &str) -> Vec<u8> {
+    client_prefix(SESSION, client_id, 0)
+}
+
+pub fn message_key(client_id: &str, seq: u64) -> Vec<u8> {
+    let mut k = client_prefix(MESSAGE, client_id, 8);
+    k.extend_from_slice(&seq.to_be_bytes());
+    k
+}
+
+pub fn flight_key(client_id: &str, seq: u64) -> Vec<u8> {
+    let mut k = client_prefix(FLIGHT, client_id, 8);
+    k.extend_from_slice(&seq.to_be_bytes());
+    k
+}
+
+pub fn inbound_key(client_id: &str, pkid: u16) -> Vec<u8> {
+    let mut k = client_prefix(INBOUND, client_id, 2);
+    k.extend_from_slice(&pkid.to_be_bytes());
+    k
+}
+
+pub fn retained_key(topic: &[u8]) -> Vec<u8> {
+    let mut k = Vec::with_capacity(1 + topic.len());
+    k.push(RETAINED);
+    k.extend_from_slice(topic);
+    k
+}
+
+/// A parsed key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Key {
+    Session(String),
+    Message(String, u64),
+    Flight(String, u64),
+    Inbound(String, u16),
+    Retained(Bytes),
+}
+
+pub fn parse_key(key: &[u8]) -> Option<Key> {
+    let (&kind, rest) = key.split_first()?;
+    if kind == RETAINED {
+        return Some(Key::Retained(Bytes::copy_from_slice(rest)));
+    }
+    if rest.len() < 2 {
+        return None;
+    }
+    let n = u16::from_be_bytes([rest[0], rest[1]]) as usize;
+    let id = std::str::from_utf8(rest.get(2..2 + n)?).ok()?.to_owned();
+    let tail = &rest[2 + n..];
+    match (kind, tail.len()) {
+        (SESSION, 0) => Some(Key::Session(id)),
+        (MESSAGE, 8) => Some(Key::Message(id, u64::from_be_bytes(tail.try_into().ok()?))),
+        (FLIGHT, 8) => Some(Key::Flight(id, u64::from_be_bytes(tail.try_into().ok()?))),
+        (INBOUND, 2) => Some(Key::Inbound(id, u16::from_be_bytes([tail[0], tail[1]]))),
+        _ => None,
+    }
+}
+
+fn qos(v: u8) -> Result<QoS, BodyError> {
+    QoS::from_u8(v).ok_or(BodyError("bad QoS"))
+}
+
+fn write_props(w: &mut Writer, p: Option<&Properties>) {
+    let mut block = Vec::new();
+    if let Some(p) = p {
+        // Properties that decoded from the wire encode again.
+        codec::encode_properties(p, &mut block).expect("decoded properties re-encode");
+    }
+    w.bytes(&block);
+}
+
+fn read_props(r: &mut Reader<'_>, will: bool) -> Result<Option<Box<Properties>>, BodyError> {
+    let block = r.bytes()?;
+    if block.is_empty() {
+        return Ok(None);
+    }
+    let p = codec::decode_properties(block, will).map_err(|_| BodyError("bad properties"))?;
+    Ok(p.into_boxed())
+}
+
+/// A message stored for one session: the message as routed plus what this session's
+/// subscriptions made of it. Times are wall-clock ms (monotonic time does not survive a
+/// restart).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredMessage {
+    pub topic: Bytes,
+    pub payload: Bytes,
+    /// QoS of the message as published, and of this delivery.
+    pub msg_qos: QoS,
+    pub qos: QoS,
+    /// Retain flag as published, and as delivered.
+    pub msg_retain: bool,
+    pub retain: bool,
+    pub props: Option<Box<Properties>>,
+    pub expires_at_wall: Option<u64>,
+    pub sub_ids: Vec<u32>,
+}
+
+impl StoredMessage {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.bytes(&self.topic)
+            .bytes(&self.payload)
+            .u8(self.msg_qos as u8)
+            .u8(self.qos as u8)
+            .u8(u8::from(self.msg_retain) | (u8::from(self.retain) << 1))
+            .opt_u64(self.expires_at_wall);
+        write_props(&mut w, self.props.as_deref());
+        w.u32(self.sub_ids.len() as u32);
+        for &id in &self.sub_ids {
+            w.u32(id);
+        }
+        w.buf
+    }
+
+    pub fn decode(body: &[u8]) -> Result<StoredMessage, BodyError> {
+        let mut r = Reader::new(body);
+        let topic = Bytes::copy_from_slice(r.bytes()?);
+        let payload = Bytes::copy_from_slice(r.bytes()?);
+        let msg_qos = qos(r.u8()?)?;
+        let qos = qos(r.u8()?)?;
+        let flags = r.u8()?;
+        if flags > 3 {
+            return Err(BodyError("bad flags"));
+        }
+        let expires_at_wall = r.opt_u64()?;
+        let props = read_props(&mut r, false)?;
+        let n = r.u32()? as usize;
+        if n > 1 << 16 {
+            return Err(BodyError("too many subscription identifiers"));
+        }
+        let mut sub_ids = Vec::with_capacity(n);
+        for _ in 0..n {
+            sub_ids.push(r.u32()?);
+        }
+        r.finish()?;
+        Ok(StoredMessage {
+            topic,
+            payload,
+            msg_qos,
+            qos,
+            msg_retain: flags & 1 != 0,
+            retain: flags & 2 != 0,
+            props,
+            expires_at_wall,
+            sub_ids,
+        })
+    }
+}
+
+/// In-flight state of a stored message: its packet id and the acknowledgement awaited
+/// (1 PUBACK, 2 PUBREC, 3 PUBCOMP).
+pub fn encode_flight(pkid: u16, awaiting: u8) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.u16(pkid).u8(awaiting);
+    w.buf
+}
+
+pub fn decode_flight(body: &[u8]) -> Result<(u16, u8), BodyError> {
+    let mut r = Reader::new(body);
+    let pkid = r.u16()?;
+    let awaiting = r.u8()?;
+    r.finish()?;
+    if pkid == 0 || !(1..=3).contains(&awaiting) {
+        return Err(BodyError("bad in-flight state"));
+    }
+    Ok((pkid, awaiting))
+}
+
+/// A session as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredSession {
+    pub expiry: u32,
+    /// Wall-clock ms of the disconnect; None while connected (after a crash: the connection
+    /// died with the broker, at some time after the last write).
+    pub disconnected_at_wall: Option<u64>,
+    pub subs: Vec<(String, SubOpts)>,
+    /// The will of the live connection, published if the broker dies under it.
+    pub will: Option<LastWill>,
+    /// A will waiting for its delay after an abnormal disconnect: fires at this wall time.
+    pub will_at_wall: Option<u64>,
+}
+
+fn write_will(w: &mut Writer, will: &LastWill) {
+    w.bytes(will.topic.as_bytes())
+        .bytes(&will.payload)
+        .u8(will.qos as u8)
+        .u8(u8::from(will.retain));
+    write_props(w, Some(&will.properties));
+}
+
+fn read_will(r: &mut Reader<'_>) -> Result<LastWill, BodyError> {
+    let topic = r.string()?;
+    let payload = Bytes::copy_from_slice(r.bytes()?);
+    let qos = qos(r.u8()?)?;
+    let retain = match r.u8()? {
+        0 => false,
+        1 => true,
+        _ => return Err(BodyError("bad retain flag")),
+    };
+    let properties = read_props(r, true)?.map(|b| *b).unwrap_or_default();
+    Ok(LastWill {
+        topic,
+        payload,
+        qos,
+        retain,
+        properties,
+    })
+}
+
+impl StoredSession {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.u32(self.expiry).opt_u64(self.disconnected_at_wall);
+        w.u32(self.subs.len() as u32);
+        for (filter, o) in &self.subs {
+            w.bytes(filter.as_bytes())
+                .u8(o.qos as u8)
+                .u8(u8::from(o.no_local) | (u8::from(o.retain_as_published) << 1))
+                .u8(o.retain_handling)
+                .u32(o.identifier);
+        }
+        match &self.will {
+            Some(will) => {
+                w.u8(1);
+                write_will(&mut w, will);
+            }
+            None => {
+                w.u8(0);
+            }
+        }
+        w.opt_u64(self.will_at_wall);
+        w.buf
+    }
+
+    pub fn decode(body: &[u8]) -> Result<StoredSession, BodyError> {
+        let mut r = Reader::new(body);
+        let expiry = r.u32()?;
+        let disconnected_at_wall = r.opt_u64()?;
+        let n = r.u32()? as usize;
+        let mut subs = Vec::with_capacity(n.min(4096));
+        for _ in 0..n {
+            let filter = r.string()?;
+            let qos = qos(r.u8()?)?;
+            let flags = r.u8()?;
+            let retain_handling = r.u8()?;
+            let identifier = r.u32()?;
+            if flags > 3 || retain_handling > 2 {
+                return Err(BodyError("bad subscription options"));
+            }
+            subs.push((
+                filter,
+                SubOpts {
+                    qos,
+                    no_local: flags & 1 != 0,
+                    retain_as_published: flags & 2 != 0,
+                    retain_handling,
+                    identifier,
+                },
+            ));
+        }
+        let will = match r.u8()? {
+            0 => None,
+            1 => Some(read_will(&mut r)?),
+            _ => return Err(BodyError("bad will tag")),
+        };
+        let will_at_wall = r.opt_u64()?;
+        r.finish()?;
+        Ok(StoredSession {
+            expiry,
+            disconnected_at_wall,
+            subs,
+            will,
+            will_at_wall,
+        })
+    }
+}
+
+/// A retained message as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredRetained {
+    pub payload: Bytes,
+    pub qos: QoS,
+    pub props: Option<Box<Properties>>,
+    pub expires_at_wall: Option<u64>,
+}
+
+impl StoredRetained {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.bytes(&self.payload)
+            .u8(self.qos as u8)
+            .opt_u64(self.expires_at_wall);
+        write_props(&mut w, self.props.as_deref());
+        w.buf
+    }
+
+    pub fn decode(body: &[u8]) -> Result<StoredRetained, BodyError> {
+        let mut r = Reader::new(body);
+        let payload = Bytes::copy_from_slice(r.bytes()?);
+        let qos = qos(r.u8()?)?;
+        let expires_at_wall = r.opt_u64()?;
+        let props = read_props(&mut r, false)?;
+        r.finish()?;
+        Ok(StoredRetained {
+            payload,
+            qos,
+            props,
+            expires_at_wall,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_parse_back_and_keep_one_client_contiguous() {
+        for id in ["", "a", "client/with/slashes", "ü"] {
+            assert_eq!(parse_key(&session_key(id)), Some(Key::Session(id.into())));
+            assert_eq!(
+                parse_key(&message_key(id, 7)),
+                Some(Key::Message(id.into(), 7))
+            );
+            assert_eq!(
+                parse_key(&flight_key(id, u64::MAX)),
+                Some(Key::Flight(id.into(), u64::MAX))
+            );
+            assert_eq!(
+                parse_key(&inbound_key(id, 9)),
+                Some(Key::Inbound(id.into(), 9))
+            );
+        }
+        assert_eq!(
+            parse_key(&retained_key(b"a/b")),
+            Some(Key::Retained(Bytes::from_static(b"a/b")))
+        );
+        // "a" and "ab": every key of "a" sorts before every key of "ab" and no prefix of one
+        // client's range is another's.
+        assert!(message_key("a", u64::MAX) < message_key("ab", 0));
+        assert!(message_key("a", 1) < message_key("a", 256));
+        assert_eq!(parse_key(b""), None);
+        assert_eq!(parse_key(b"m\x00\x05ab"), None);
+        assert_eq!(parse_key(b"x\x00\x00"), None);
+    }
+
+    #[test]
+    fn bodies_round_trip_and_reject_truncation() {
+        let props = Properties {
+            content_type: Some("text/plain".into()),
+            user_properties: vec![("k".into(), "v".into())],
+            ..Properties::default()
+        };
+        let m = StoredMessage {
+            topic: Bytes::from_static(b"t/1"),
+            payload: Bytes::from_static(b"hello"),
+            msg_qos: QoS::ExactlyOnce,
+            qos: QoS::AtLeastOnce,
+            msg_retain: true,
+            retain: false,
+            props: props.clone().into_boxed(),
+            expires_at_wall: Some(123),
+            sub_ids: vec![1, 268_435_455],
+        };
+        let body = m.encode();
+        assert_eq!(StoredMessage::decode(&body).unwrap(), m);
+        for len in 0..body.len() {
+            assert!(StoredMessage::decode(&body[..len]).is_err());
+        }
+        let s = StoredSession {
+            expiry: 3600,
+            disconnected_at_wall: Some(99),
+            subs: vec![(
+                "a/+".into(),
+                SubOpts {
+                    qos: QoS::ExactlyOnce,
+                    no_local: true,
+                    retain_as_published: false,
+                    retain_handling: 2,
+                    identifier: 42,
+                },
+            )],
+            will: Some(LastWill {
+                topic: "w".into(),
+                payload: Bytes::from_static(b"bye"),
+                qos: QoS::AtLeastOnce,
+                retain: true,
+                properties: Properties {
+                    will_delay_interval: Some(5),
+                    ..Properties::default()
+                },
+            }),
+            will_at_wall: Some(1000),
+        };
+        let body = s.encode();
+        assert_eq!(StoredSession::decode(&body).unwrap(), s);
+        for len in 0..body.len() {
+            assert!(StoredSession::decode(&body[..len]).is_err());
+        }
+        let r = StoredRetained {
+            payload: Bytes::from_static(b"on"),
+            qos: QoS::AtMostOnce,
+            props: None,
+            expires_at_wall: None,
+        };
+        assert_eq!(StoredRetained::decode(&r.encode()).unwrap(), r);
+        assert_eq!(decode_flight(&encode_flight(5, 3)), Ok((5, 3)));
+        assert!(decode_flight(&encode_flight(0, 1)).is_err());
+    }
+}
