@@ -222,10 +222,11 @@ cdef class Server:
         try:
             self.store.write(ops)
         except StoreWriteError as error:
-            logger.error("%s; publishers of the failed batch are disconnected, reading is "
-                         "paused until it is stored", error)
             self.failed_ops = ops
-            for conn_id in self.engine.store_failed(monotonic_now_ms()):
+            publishers = self.engine.store_failed(monotonic_now_ms())
+            logger.error("%s; %d publishers of the failed batch are disconnected, reading is "
+                         "paused until it is stored", error, len(publishers))
+            for conn_id in publishers:
                 entry = self.connections[conn_id] if conn_id < len(self.connections) else None
                 if entry is not None and (<Connection>entry).transport is not None:
                     (<Connection>entry).transport.abort()
