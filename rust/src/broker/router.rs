@@ -172,7 +172,7 @@ impl Engine {
         match pos {
             Some(i) if ack.reason_code >= 0x80 => {
                 // The receiver refused it: the exchange ends here (MQTT 5 4.3.3).
-                let done = session.inflight.remove(i).expect("index valid");
+                let done = session.remove_inflight(i).expect("index valid");
                 self.forget_delivery(sid, done.delivery.seq);
                 self.pump(sid, now);
             }
@@ -209,7 +209,7 @@ impl Engine {
             .iter()
             .position(|f| f.pkid == pkid && f.state == state)
         {
-            let done = session.inflight.remove(i).expect("index valid");
+            let done = session.remove_inflight(i).expect("index valid");
             self.forget_delivery(sid, done.delivery.seq);
             self.pump(sid, now);
         }
@@ -471,8 +471,7 @@ impl Engine {
             self.store_flight(sid, d.seq, pkid, state);
             self.session_mut(sid)
                 .expect("exists")
-                .inflight
-                .push_back(Inflight {
+                .push_inflight(Inflight {
                     pkid,
                     state,
                     delivery: d,

@@ -147,8 +147,12 @@ pub struct Session {
     /// Messages not yet sent (offline, window full, or transport not writable).
     pub queue: VecDeque<Delivery>,
     pub queued_bytes: usize,
-    /// Sent, not yet acknowledged, in send order.
+    /// Sent, not yet acknowledged, in send order. Changed through `push_inflight` and
+    /// `remove_inflight`, which keep `inflight_ids` in step.
     pub inflight: VecDeque<Inflight>,
+    /// The packet ids in `inflight` as a bitset, built once the window is large (below that
+    /// a scan is cheaper and costs no memory); dropped when the window empties.
+    pub inflight_ids: Option<Box<PkidSet>>,
     pub next_pkid: u16,
     /// In the engine's pending-pump list (queue sending stopped at its budget).
     pub pump_pending: bool,
@@ -177,21 +181,124 @@ impl Session {
             stored: false,
             next_seq: 0,
             inflight: VecDeque::new(),
+            inflight_ids: None,
             next_pkid: 1,
             inbound_qos2: HashSet::new(),
             pending_will: None,
         }
     }
 
-    /// Next packet id not in flight (1..=65535).
+    /// Next packet id not in flight (1..=65535). The caller checked the window has room.
     pub fn alloc_pkid(&mut self) -> u16 {
         loop {
             let id = self.next_pkid;
             self.next_pkid = if id == u16::MAX { 1 } else { id + 1 };
-            // The window is far below 65535, so this ends quickly.
-            if !self.inflight.iter().any(|f| f.pkid == id) {
+            let in_use = if self.inflight.len() < SCAN_BELOW {
+                self.inflight.iter().any(|f| f.pkid == id)
+            } else {
+                let inflight = &self.inflight;
+                self.inflight_ids
+                    .get_or_insert_with(|| {
+                        let mut set = Box::new(PkidSet([0; 1024]));
+                        for f in inflight {
+                            set.insert(f.pkid);
+                        }
+                        set
+                    })
+                    .contains(id)
+            };
+            if !in_use {
                 return id;
             }
         }
+    }
+
+    pub fn push_inflight(&mut self, f: Inflight) {
+        if let Some(set) = &mut self.inflight_ids {
+            set.insert(f.pkid);
+        }
+        self.inflight.push_back(f);
+    }
+
+    pub fn remove_inflight(&mut self, i: usize) -> Option<Inflight> {
+        let f = self.inflight.remove(i)?;
+        if self.inflight.is_empty() {
+            self.inflight_ids = None;
+        } else if let Some(set) = &mut self.inflight_ids {
+            set.remove(f.pkid);
+        }
+        Some(f)
+    }
+}
+
+/// Windows smaller than this find a free packet id by scanning.
+const SCAN_BELOW: usize = 64;
+
+/// One bit per packet id.
+pub struct PkidSet([u64; 1024]);
+
+impl PkidSet {
+    fn insert(&mut self, id: u16) {
+        self.0[usize::from(id >> 6)] |= 1 << (id & 63);
+    }
+
+    fn remove(&mut self, id: u16) {
+        self.0[usize::from(id >> 6)] &= !(1 << (id & 63));
+    }
+
+    fn contains(&self, id: u16) -> bool {
+        self.0[usize::from(id >> 6)] & (1 << (id & 63)) != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inflight(pkid: u16, msg: &Arc<Message>) -> Inflight {
+        Inflight {
+            pkid,
+            state: AwaitingAck::PubAck,
+            delivery: Delivery {
+                msg: msg.clone(),
+                qos: QoS::AtLeastOnce,
+                retain: false,
+                sub_ids: Vec::new(),
+                seq: 0,
+            },
+        }
+    }
+
+    #[test]
+    fn packet_ids_stay_unique_across_wraps_and_holes_in_a_full_window() {
+        let msg = Arc::new(Message {
+            topic: Bytes::from_static(b"t"),
+            payload: Bytes::new(),
+            qos: QoS::AtLeastOnce,
+            retain: false,
+            props: None,
+            expires_at: None,
+            origin: 0,
+        });
+        let mut s = Session::new(Arc::from("c"));
+        let mut live = std::collections::HashSet::new();
+        // Fill almost the whole id space, acknowledge every third, refill, three times over.
+        for round in 0..3 {
+            while s.inflight.len() < 65_000 {
+                let id = s.alloc_pkid();
+                assert!(id != 0 && live.insert(id), "round {round}: id {id} reused");
+                s.push_inflight(inflight(id, &msg));
+            }
+            let mut i = 0;
+            while i < s.inflight.len() {
+                let f = s.remove_inflight(i).unwrap();
+                live.remove(&f.pkid);
+                i += 2;
+            }
+        }
+        while let Some(f) = s.remove_inflight(0) {
+            live.remove(&f.pkid);
+        }
+        assert!(s.inflight_ids.is_none() && live.is_empty());
     }
 }
