@@ -3,6 +3,7 @@
 
     python bench/run.py [--rounds 3] [--duration 5] [--warmup 1] [--scenarios fan-in,qos1,...]
                         [--results bench/results] [--quick]
+    python bench/run.py --scenarios persistent      # only the durable-storage scenarios
 
 Every scenario runs once per broker per round, on a broker started fresh for it (on a free
 loopback port, in its own temporary directory, with its queue and in-flight limits lifted).
@@ -11,6 +12,11 @@ generator is bench/loadgen (built with cargo if missing). The harness reads each
 time and RSS from /proc, prints one table with each figure's medians and the ratio
 fastbroker / Mosquitto as min-median-max over the rounds, and writes one JSON line per
 scenario x broker x round plus a summary JSON under the results directory.
+
+The durable-storage scenarios (qos1-persistent-always/-interval/-never, startup-1m) run with
+persistence on in both brokers; they are part of the full run but not of --quick (the perf
+gate's set). startup-1m fills a stored session with 1,000,000 messages, stops the broker with
+SIGTERM and times its restart on the same data until a CONNACK.
 
 Only the processes this script starts are ever stopped, by PID, with bounded waits.
 Standard library only; Linux only (/proc).
@@ -55,6 +61,14 @@ READY_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 5.0
 SAMPLE_INTERVAL_S = 0.1
 CONNECTION_SOURCES = "127.0.0.2-127.0.0.16"
+# Durable-storage scenarios: the persistent subscriber's fixed client id, and startup-1m.
+PERSISTENT_SUBSCRIBER = "fbl-bench-persistent-sub"
+STARTUP_MESSAGES = 1_000_000
+FILL_TIME_LIMIT_S = 60.0  # the fill (not timed) fails past this; ~4-7 s on 2 cores
+SHUTDOWN_TIMEOUT_S = 120.0  # SIGTERM -> exit after the fill (Mosquitto writes its file then)
+STARTUP_TIMEOUT_S = 120.0  # process start -> CONNACK
+DRAIN_TIME_LIMIT_S = 30.0  # the optional drain of the stored messages after start-up
+PROBE_RETRY_S = 0.002  # start-up probe: pause between refused connects
 
 # Limits lifted on both brokers, so neither drops, queues or throttles where the other would not.
 FASTBROKER_MQTT_LIMITS: dict[str, int] = {
@@ -82,6 +96,61 @@ LIMITS_TEXT = (
 
 
 @dataclass(frozen=True)
+class Persistence:
+    """Durable storage in a scenario: fastbroker's [storage] fsync policy and the Mosquitto
+    settings closest to it (besides `persistence true` and a persistence_location in the
+    run's temporary directory)."""
+
+    fsync: str  # fastbroker [storage] fsync: always | interval | never
+    mosquitto: tuple[tuple[str, str], ...]  # extra mosquitto.conf lines
+    mosquitto_words: str  # how close that is, for the printed parameters
+
+    def params(self, broker: str) -> dict[str, Any]:
+        if broker == "fastbroker":
+            out: dict[str, Any] = {"fsync": self.fsync}
+            if self.fsync == "interval":
+                out["fsync_interval_ms"] = 10
+            return out
+        if broker == "mosquitto":
+            return {"persistence": "true", **dict(self.mosquitto), "note": self.mosquitto_words}
+        return {}
+
+
+# Mosquitto keeps everything in memory and writes a whole snapshot of it (to a temporary
+# file, fflush + fsync + rename) at shutdown, every `autosave_interval` seconds (default
+# 1800), or, with `autosave_on_changes true`, once a main-loop iteration ends with at least
+# `autosave_interval` counted changes (queued messages, subscription changes, retained
+# messages, persistent connects). It never holds a PUBACK back for a save.
+PERSISTENCE: dict[str, Persistence] = {
+    "always": Persistence(
+        "always",
+        (("autosave_on_changes", "true"), ("autosave_interval", "1")),
+        "autosave_on_changes true + autosave_interval 1: a snapshot after every loop iteration "
+        "with a counted change, its closest to per-write durability (PUBACKs not held back)",
+    ),
+    "interval": Persistence(
+        "interval",
+        (("autosave_interval", "1"),),
+        "autosave_interval 1: a snapshot every second, its shortest interval "
+        "(fastbroker: group commit every 10 ms)",
+    ),
+    "never": Persistence(
+        "never",
+        (),
+        "default autosave_interval 1800: no snapshot during the run, only at shutdown "
+        "(nothing closer to 'write, never fsync')",
+    ),
+}
+# startup-1m: fastbroker's default policy; Mosquitto's default persistence (the file is
+# written at the SIGTERM that ends the fill).
+STARTUP_PERSISTENCE = Persistence(
+    "interval",
+    (),
+    "default autosave_interval 1800: the file is written at shutdown (SIGTERM)",
+)
+
+
+@dataclass(frozen=True)
 class Figure:
     """One measured number of a scenario: a key of the loadgen's JSON (or one the harness
     derives, such as rss_per_conn_bytes), shown as one table row with its own ratio."""
@@ -90,6 +159,7 @@ class Figure:
     label: str
     direction: str = "higher"  # which way is better: "higher" or "lower"
     unit: str = ""
+    optional: bool = False  # a run without it is kept (with a note), not failed
 
 
 @dataclass(frozen=True)
@@ -100,12 +170,21 @@ class Scenario:
     summary: str  # parameters in words, for the table
     figures: tuple[Figure, ...]
     uses_broker: bool = True
+    persistence: Persistence | None = None  # None: nothing persisted (the standard set)
+    kind: str = "loadgen"  # "loadgen": one timed loadgen run; "startup": see measure_startup
 
     def loadgen_args(self, settings: Settings) -> list[str]:
+        """The loadgen's command line (for "startup", that of its fill phase)."""
         args = [self.command]
         if self.uses_broker:
             args += ["--host", HOST, "--port", "{port}"]
-        args += ["--duration", fmt_num(settings.duration), "--warmup", fmt_num(settings.warmup)]
+        if self.kind == "loadgen":
+            args += [
+                "--duration",
+                fmt_num(settings.duration),
+                "--warmup",
+                fmt_num(settings.warmup),
+            ]
         for key, value in self.options:
             args += [f"--{key}", value]
         return args
@@ -114,8 +193,9 @@ class Scenario:
         out: dict[str, Any] = {"loadgen_scenario": self.command}
         for key, value in self.options:
             out[key] = parse_scalar(value)
-        out["duration_s"] = settings.duration
-        out["warmup_s"] = settings.warmup
+        if self.kind == "loadgen":
+            out["duration_s"] = settings.duration
+            out["warmup_s"] = settings.warmup
         return out
 
 
@@ -245,18 +325,87 @@ def build_scenarios(settings: Settings) -> list[Scenario]:
     return scenarios
 
 
-def select_scenarios(scenarios: list[Scenario], spec: str | None) -> list[Scenario]:
-    """--scenarios: names, "payload" for the whole sweep; the loopback ceiling comes along
-    with any payload scenario."""
+def persistent_scenarios(settings: Settings) -> list[Scenario]:
+    """The durable-storage scenarios: in the full run, not in --quick (nor the perf gate)."""
+    o = tuple
+    qos1_options = [("publishers", "8"), ("inflight", "64"), ("payload", "64")]
+    scenarios = []
+    for policy, p in PERSISTENCE.items():
+        scenarios.append(
+            Scenario(
+                f"qos1-persistent-{policy}",
+                "qos1",
+                o([*qos1_options, ("persistent-subscriber", PERSISTENT_SUBSCRIBER)]),
+                "8 QoS 1 publishers, 64 in flight each -> 1 QoS 1 subscriber with a persistent "
+                f"session, 64 B; fastbroker fsync={policy}, mosquitto "
+                + (", ".join(f"{k} {v}" for k, v in p.mosquitto) or "default autosave"),
+                (
+                    Figure("acked_per_s", "acked publishes/s", unit=MSGS),
+                    Figure("delivered_per_s", "delivered msg/s", unit=MSGS),
+                ),
+                persistence=p,
+            )
+        )
+    scenarios.append(
+        Scenario(
+            "startup-1m",
+            "fill",
+            o(
+                [
+                    ("count", str(STARTUP_MESSAGES)),
+                    *qos1_options,
+                    ("persistent-subscriber", PERSISTENT_SUBSCRIBER),
+                    ("time-limit", fmt_num(FILL_TIME_LIMIT_S)),
+                ]
+            ),
+            f"restart with {STARTUP_MESSAGES:,} QoS 1 64 B messages stored for 1 offline "
+            "session: process start -> first CONNACK; RSS then; drain of all to the subscriber",
+            (
+                Figure("startup_s", "start-up s, process start -> CONNACK", "lower", "s"),
+                Figure("rss_after_startup_mib", "RSS after start-up MiB", "lower", "MiB"),
+                Figure(
+                    "drain_s",
+                    f"all {STARTUP_MESSAGES:,} delivered after s",
+                    "lower",
+                    "s",
+                    optional=True,
+                ),
+            ),
+            persistence=STARTUP_PERSISTENCE,
+            kind="startup",
+        )
+    )
+    return scenarios
+
+
+def default_scenarios(settings: Settings) -> list[Scenario]:
+    """What runs without --scenarios: everything, or with --quick the standard set only."""
+    if settings.quick:
+        return build_scenarios(settings)
+    return build_scenarios(settings) + persistent_scenarios(settings)
+
+
+def select_scenarios(
+    scenarios: list[Scenario], spec: str | None, extra: Sequence[Scenario] = ()
+) -> list[Scenario]:
+    """--scenarios: names, "payload" for the whole sweep, "persistent" for the durable-storage
+    scenarios; the loopback ceiling comes along with any payload scenario. Without a spec,
+    `scenarios`; with one, any of `scenarios` and `extra` (scenarios run only when named)."""
     if not spec:
         return scenarios
+    pool = list(scenarios) + [s for s in extra if s.name not in {x.name for x in scenarios}]
     wanted = {s.strip() for s in spec.split(",") if s.strip()}
-    known = {s.name for s in scenarios} | {"payload"}
+    known = {s.name for s in pool} | {"payload"}
+    if any(s.persistence for s in pool):
+        known.add("persistent")
     unknown = wanted - known
     if unknown:
         raise SystemExit(
             f"unknown scenario(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}"
         )
+    if "persistent" in wanted:
+        wanted |= {s.name for s in pool if s.persistence}
+    scenarios = pool
     if "payload" in wanted:
         wanted |= {s.name for s in scenarios if s.command == "throughput"}
     if any(s.command == "throughput" and s.name in wanted for s in scenarios):
@@ -267,11 +416,23 @@ def select_scenarios(scenarios: list[Scenario], spec: str | None) -> list[Scenar
 # --------------------------------------------------------------------------- broker configs
 
 
-def mosquitto_config_text(port: int, as_root: bool) -> str:
+def mosquitto_config_text(
+    port: int, as_root: bool, persistence: Persistence | None = None, workdir: str = ""
+) -> str:
+    limits = dict(MOSQUITTO_LIMITS)
+    extra: list[str] = []
+    if persistence is not None:
+        limits["persistence"] = "true"
+        extra += [
+            f"persistence_location {workdir.rstrip('/')}/",
+            "persistence_file mosquitto.db",
+            *(f"{key} {value}" for key, value in persistence.mosquitto),
+        ]
     lines = [
         f"listener {port} {HOST}",
         "allow_anonymous true",
-        *(f"{key} {value}" for key, value in MOSQUITTO_LIMITS.items()),
+        *(f"{key} {value}" for key, value in limits.items()),
+        *extra,
         "sys_interval 0",
         "log_dest stderr",
         "log_type error",
@@ -284,7 +445,7 @@ def mosquitto_config_text(port: int, as_root: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-def fastbroker_config_text(port: int, data_dir: str) -> str:
+def fastbroker_config_text(port: int, data_dir: str, fsync: str | None = None) -> str:
     lines = [
         "[listener]",
         f'host = "{HOST}"',
@@ -292,6 +453,7 @@ def fastbroker_config_text(port: int, data_dir: str) -> str:
         "",
         "[storage]",
         f"data_dir = {json.dumps(data_dir)}",
+        *([f"fsync = {json.dumps(fsync)}"] if fsync else []),
         "",
         "[log]",
         'level = "warning"',
@@ -500,28 +662,42 @@ def broker_version(kind: str) -> str:
     return match.group(1) if match else "unknown"
 
 
-def start_broker(kind: str, base: Path) -> Broker:
+def broker_command(
+    kind: str, port: int, workdir: Path, persistence: Persistence | None = None
+) -> list[str]:
+    """Writes the broker's config into `workdir` (its data goes there too) and returns the
+    command that starts it."""
+    if kind == "fastbroker":
+        config = workdir / "fastbroker.toml"
+        fsync = persistence.fsync if persistence else None
+        config.write_text(fastbroker_config_text(port, str(workdir / "data"), fsync))
+        cmd = [*fastbroker_command(), "run", "--host", HOST, "--port", str(port)]
+        return [*cmd, "--config", str(config)]
+    if kind == "mosquitto":
+        exe = mosquitto_executable()
+        if exe is None:
+            raise RuntimeError("mosquitto not found (apt-get install mosquitto)")
+        config = workdir / "mosquitto.conf"
+        config.write_text(mosquitto_config_text(port, os.geteuid() == 0, persistence, str(workdir)))
+        return [exe, "-c", str(config)]
+    raise ValueError(f"unknown broker {kind!r}")
+
+
+def launch(kind: str, port: int, workdir: Path, cmd: Sequence[str]) -> Broker:
+    """Starts the broker (stdout and stderr appended to workdir/stderr.log), not waiting."""
+    with open(workdir / "stderr.log", "ab") as err:
+        proc = spawn(cmd, cwd=workdir, stdin=subprocess.DEVNULL, stdout=err, stderr=err)
+    return Broker(kind, port, proc, workdir)
+
+
+def start_broker(kind: str, base: Path, persistence: Persistence | None = None) -> Broker:
     last_error = ""
     for _ in range(3):  # a port from free_port() may be taken before the broker binds it
         port = free_port()
         workdir = Path(tempfile.mkdtemp(prefix=f"{kind}-{port}-", dir=base))
-        if kind == "fastbroker":
-            config = workdir / "fastbroker.toml"
-            config.write_text(fastbroker_config_text(port, str(workdir / "data")))
-            cmd = [*fastbroker_command(), "run", "--host", HOST, "--port", str(port)]
-            cmd += ["--config", str(config)]
-        elif kind == "mosquitto":
-            exe = mosquitto_executable()
-            if exe is None:
-                raise RuntimeError("mosquitto not found (apt-get install mosquitto)")
-            config = workdir / "mosquitto.conf"
-            config.write_text(mosquitto_config_text(port, os.geteuid() == 0))
-            cmd = [exe, "-c", str(config)]
-        else:
-            raise ValueError(f"unknown broker {kind!r}")
-        with open(workdir / "stderr.log", "wb") as err:
-            proc = spawn(cmd, cwd=workdir, stdin=subprocess.DEVNULL, stdout=err, stderr=err)
-        broker = Broker(kind, port, proc, workdir)
+        cmd = broker_command(kind, port, workdir, persistence)
+        broker = launch(kind, port, workdir, cmd)
+        proc = broker.proc
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -608,6 +784,7 @@ class Measurement:
     cpu_window_s: list[float] | None = None  # broker CPU window, from the loadgen's start
     started: float = 0.0
     elapsed_s: float = 0.0
+    notes: list[str] = field(default_factory=list)  # for the table's notes (run still ok)
 
     @property
     def ok(self) -> bool:
@@ -752,6 +929,7 @@ def run_notes(measurements: Sequence[Measurement]) -> list[str]:
             notes.append(f"FAILED run: {m.scenario} {m.broker} round {m.round}: {m.error}")
             continue
         groups.setdefault((m.scenario, m.broker), []).append(m)
+        notes += m.notes
         errors = m.figures.get("errors")
         if valid_number(errors) and errors:
             notes.append(
@@ -789,16 +967,21 @@ def measure(
     loadgen: Path,
     base: Path,
 ) -> Measurement:
+    if scenario.kind == "startup":
+        assert broker_kind is not None
+        return measure_startup(scenario, broker_kind, round_no, position, settings, loadgen, base)
     params = scenario.params(settings)
     if broker_kind:
         params["broker_limits"] = broker_limits(broker_kind)
+        if scenario.persistence:
+            params["persistence"] = scenario.persistence.params(broker_kind)
     m = Measurement(scenario.name, broker_kind or "none", round_no, position, params)
     m.started = time.time()
     t0 = time.monotonic()
     broker: Broker | None = None
     try:
         if broker_kind:
-            broker = start_broker(broker_kind, base)
+            broker = start_broker(broker_kind, base, scenario.persistence)
         port = str(broker.port) if broker else "0"
         args = [a.replace("{port}", port) for a in scenario.loadgen_args(settings)]
         m.params["loadgen_args"] = args
@@ -858,7 +1041,11 @@ def measure(
                 window = measured_window(run, settings.warmup, settings.duration)
                 m.broker_cpu_percent = cpu_percent(samples, *window)
                 m.cpu_window_s = [round(t - run.start, 2) for t in window]
-        missing = [f.key for f in scenario.figures if not valid_number(m.figures.get(f.key))]
+        missing = [
+            f.key
+            for f in scenario.figures
+            if not f.optional and not valid_number(m.figures.get(f.key))
+        ]
         if missing:
             raise RuntimeError(f"loadgen result lacks {', '.join(missing)}: {result}")
     except Exception as e:  # one failed run must not end the benchmark
@@ -866,6 +1053,224 @@ def measure(
     finally:
         if broker is not None:
             stop_process(broker.proc)
+            shutil.rmtree(broker.workdir, ignore_errors=True)
+        m.elapsed_s = time.monotonic() - t0
+    return m
+
+
+# --------------------------------------------------------------------------- start-up
+
+
+def probe_connect_packet(client_id: str = "fbl-startup-probe") -> bytes:
+    """MQTT 3.1.1 CONNECT: clean session, keep alive 0, no will, no credentials."""
+    cid = client_id.encode()
+    body = b"\x00\x04MQTT\x04\x02\x00\x00" + len(cid).to_bytes(2, "big") + cid
+    assert len(body) < 128
+    return bytes([0x10, len(body)]) + body
+
+
+def wait_for_connack(port: int, proc: subprocess.Popen, deadline: float) -> float:
+    """Connects a throwaway clean client, again every PROBE_RETRY_S while refused, until a
+    successful CONNACK arrives; returns the monotonic time it arrived."""
+    packet = probe_connect_packet()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with code {proc.returncode} while starting")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no CONNACK within {fmt_num(STARTUP_TIMEOUT_S)} s of start")
+        try:
+            sock = socket.create_connection((HOST, port), timeout=1.0)
+        except OSError:
+            time.sleep(PROBE_RETRY_S)
+            continue
+        with sock:
+            reply = b""
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.settimeout(max(0.1, deadline - time.monotonic()))
+                sock.sendall(packet)
+                while len(reply) < 4:
+                    chunk = sock.recv(4 - len(reply))
+                    if not chunk:
+                        break
+                    reply += chunk
+            except OSError:
+                pass
+            now = time.monotonic()
+            if len(reply) == 4:
+                if reply[0] != 0x20 or reply[3] != 0:
+                    raise RuntimeError(f"the probe's CONNECT got {reply.hex()}, not CONNACK 0")
+                try:
+                    sock.sendall(b"\xe0\x00")  # DISCONNECT
+                except OSError:
+                    pass
+                return now
+        time.sleep(PROBE_RETRY_S)  # closed before a CONNACK: not ready yet
+
+
+def stored_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (a broker's stored state)."""
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+MIB = 1024 * 1024
+
+
+def measure_startup(
+    scenario: Scenario,
+    kind: str,
+    round_no: int,
+    position: int,
+    settings: Settings,
+    loadgen: Path,
+    base: Path,
+) -> Measurement:
+    """startup-1m: fill (not timed) -> SIGTERM -> timed start on the same data -> drain.
+
+    1. The broker starts empty; the loadgen's `fill` subscribes a persistent session at
+       QoS 1, disconnects it and publishes STARTUP_MESSAGES QoS 1 messages to it (all acked).
+    2. SIGTERM, and a clean exit (code 0) is required: Mosquitto writes its file then.
+    3. os.sync(), then the broker starts again on the same port and data; start-up time is
+       process start (just before fork) -> the first successful CONNACK of a throwaway clean
+       client that reconnects every PROBE_RETRY_S while refused. RSS and CPU time are read
+       right then: "broker CPU %" of this scenario is over the start-up.
+    4. The loadgen's `drain` resumes the session and PUBACKs until all messages arrived
+       (drain_s, from its CONNECT); past DRAIN_TIME_LIMIT_S the run keeps its start-up
+       figures and gets a note instead."""
+    persistence = scenario.persistence or STARTUP_PERSISTENCE
+    params = scenario.params(settings)
+    params["broker_limits"] = broker_limits(kind)
+    params["persistence"] = persistence.params(kind)
+    params["startup"] = {
+        "messages": STARTUP_MESSAGES,
+        "probe": f"3.1.1 CONNECT, clean session, retried every {PROBE_RETRY_S * 1000:g} ms",
+        "fill_time_limit_s": FILL_TIME_LIMIT_S,
+        "drain_time_limit_s": DRAIN_TIME_LIMIT_S,
+        "page_cache": "warm (os.sync() before the start, no cache drop)",
+    }
+    m = Measurement(scenario.name, kind, round_no, position, params)
+    m.started = time.time()
+    t0 = time.monotonic()
+    broker: Broker | None = None
+    try:
+        broker = start_broker(kind, base, persistence)
+        port, workdir = broker.port, broker.workdir
+        args = [a.replace("{port}", str(port)) for a in scenario.loadgen_args(settings)]
+        m.params["loadgen_args"] = args
+        fill_run = run_loadgen(loadgen, args, FILL_TIME_LIMIT_S + 60)
+        fill, _ = parse_loadgen_output(fill_run.stdout)
+        if broker.proc.poll() is not None:
+            raise RuntimeError(
+                f"{kind} exited with code {broker.proc.returncode} during the fill: "
+                f"{broker.stderr_tail()}"
+            )
+        check_loadgen_result(fill_run, fill)
+        assert fill is not None
+        m.figures["fill_s"] = fill["fill_s"]
+        m.figures["fill_acked_per_s"] = fill["acked_per_s"]
+        rss_filled = proc_status_kb(broker.pid)
+        if rss_filled is not None:
+            m.figures["rss_after_fill_mib"] = rss_filled / 1024
+
+        t_stop = time.monotonic()
+        code = stop_process(broker.proc, SHUTDOWN_TIMEOUT_S)
+        m.figures["shutdown_s"] = time.monotonic() - t_stop
+        if code != 0:
+            raise RuntimeError(
+                f"{kind} exit code {code} at SIGTERM after the fill (-9: killed after "
+                f"{fmt_num(SHUTDOWN_TIMEOUT_S)} s): {broker.stderr_tail()}"
+            )
+        data = workdir / ("data" if kind == "fastbroker" else "mosquitto.db")
+        if not data.exists():
+            raise RuntimeError(f"{kind} left no stored state at {data}")
+        m.figures["stored_mib"] = stored_bytes(data) / MIB
+        os.sync()  # nothing left to write back while the start is timed
+
+        cmd = broker_command(kind, port, workdir, persistence)
+        t_start = time.monotonic()
+        broker = launch(kind, port, workdir, cmd)
+        t_ready = wait_for_connack(port, broker.proc, t_start + STARTUP_TIMEOUT_S)
+        rss = proc_status_kb(broker.pid)
+        cpu = proc_cpu_seconds(broker.pid)
+        startup = t_ready - t_start
+        m.figures["startup_s"] = startup
+        if rss is not None:
+            m.figures["rss_after_startup_mib"] = rss / 1024
+            m.broker_rss_kb = rss
+        hwm = proc_status_kb(broker.pid, "VmHWM")
+        if hwm is not None:
+            m.figures["rss_peak_startup_mib"] = hwm / 1024
+        if cpu is not None:
+            m.figures["startup_cpu_s"] = cpu
+            m.broker_cpu_percent = 100 * cpu / startup
+        m.cpu_window_s = [0.0, round(startup, 3)]
+
+        pid = broker.pid
+        samples: list[tuple[float, float]] = []
+
+        def on_sample(now: float) -> None:
+            c = proc_cpu_seconds(pid)
+            if c is not None:
+                samples.append((now, c))
+
+        drain_args = [
+            "drain",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--count",
+            str(STARTUP_MESSAGES),
+            "--persistent-subscriber",
+            PERSISTENT_SUBSCRIBER,
+            "--time-limit",
+            fmt_num(DRAIN_TIME_LIMIT_S),
+        ]
+        m.params["drain_loadgen_args"] = drain_args
+        on_sample(time.monotonic())
+        drain_run = run_loadgen(loadgen, drain_args, DRAIN_TIME_LIMIT_S + 60, on_sample)
+        drain, _ = parse_loadgen_output(drain_run.stdout)
+        if broker.proc.poll() is not None:
+            raise RuntimeError(
+                f"{kind} exited with code {broker.proc.returncode} during the drain: "
+                f"{broker.stderr_tail()}"
+            )
+        try:
+            check_loadgen_result(drain_run, drain)
+        except RuntimeError as e:
+            m.notes.append(f"{kind} {scenario.name} round {round_no}: drain incomplete: {e}")
+        else:
+            assert drain is not None
+            m.figures["drain_s"] = drain["drain_s"]
+            m.figures["drain_per_s"] = drain["delivered_per_s"]
+            m.figures["drain_first_message_s"] = drain["first_message_s"]
+            drain_cpu = cpu_percent(samples, drain_run.start, drain_run.end)
+            if drain_cpu is not None:
+                m.figures["drain_broker_cpu_percent"] = drain_cpu
+        m.broker_rss_peak_kb = proc_status_kb(broker.pid, "VmHWM")
+        lg_cpu = (drain or {}).get("loadgen_cpu_percent", fill.get("loadgen_cpu_percent"))
+        m.loadgen = {"fill": fill, "drain": drain, "loadgen_cpu_percent": lg_cpu}
+        missing = [
+            f.key
+            for f in scenario.figures
+            if not f.optional and not valid_number(m.figures.get(f.key))
+        ]
+        if missing:
+            raise RuntimeError(f"no {', '.join(missing)} measured")
+    except Exception as e:  # one failed run must not end the benchmark
+        m.error = f"{type(e).__name__}: {e}"
+    finally:
+        if broker is not None:
+            stop_process(broker.proc, SHUTDOWN_TIMEOUT_S)
             shutil.rmtree(broker.workdir, ignore_errors=True)
         m.elapsed_s = time.monotonic() - t0
     return m
@@ -1145,6 +1550,7 @@ def json_line(m: Measurement, run: dict[str, Any]) -> dict[str, Any]:
         "loadgen": lg,
         "ok": m.ok,
         "error": m.error,
+        "notes": m.notes,
         "elapsed_s": round(m.elapsed_s, 3),
     }
 
@@ -1188,6 +1594,8 @@ def run_benchmark(
     if "fastbroker" in brokers:
         log(f"fastbroker: {' '.join(fastbroker_command())} (package {run['fastbroker_path']})")
     log(f"lifted limits: {LIMITS_TEXT}")
+    for text in persistence_lines(scenarios):
+        log(text)
     log(
         f"settings: rounds {settings.rounds}, duration {fmt_num(settings.duration)} s, warmup "
         f"{fmt_num(settings.warmup)} s; order alternates (fastbroker first in odd rounds)"
@@ -1229,6 +1637,7 @@ def run_benchmark(
         "settings": settings.__dict__ | {"payloads": list(settings.payloads)},
         "scenarios": [s.name for s in scenarios],
         "limits": LIMITS_TEXT,
+        "persistence": persistence_lines(scenarios),
         "rows": [r.to_json() for r in rows],
         "loopback_ceiling_mb_per_s": ceiling,
         "failed_runs": [
@@ -1256,6 +1665,38 @@ def run_benchmark(
     log(f"summary: {summary_path}  ({summary['elapsed_s']} s)")
     summary["summary_path"] = str(summary_path)
     return summary
+
+
+def persistence_lines(scenarios: Sequence[Scenario]) -> list[str]:
+    """How the selected durable-storage scenarios set up both brokers, for the log."""
+    if not any(s.persistence for s in scenarios):
+        return []
+    out = [
+        "persistence (durable scenarios only): fastbroker [storage] data_dir in the run's "
+        "temporary directory (RocksDB); mosquitto persistence true, persistence_location there. "
+        "Mosquitto snapshots its whole in-memory state (fsync + rename) at shutdown, every "
+        "autosave_interval s, or with autosave_on_changes after a loop iteration with that many "
+        "counted changes (queued messages, subscriptions, retained messages); it never holds "
+        "a PUBACK back for a save"
+    ]
+    for sc in scenarios:
+        p = sc.persistence
+        if p is None:
+            continue
+        interval = " (group commit every 10 ms)" if p.fsync == "interval" else ""
+        out.append(
+            f"  {sc.name}: fastbroker fsync = {p.fsync}{interval}; mosquitto {p.mosquitto_words}"
+        )
+        if sc.kind == "startup":
+            out.append(
+                f"  {sc.name}: fill {STARTUP_MESSAGES:,} msgs (not timed, limit "
+                f"{fmt_num(FILL_TIME_LIMIT_S)} s), SIGTERM (clean exit required), os.sync(), "
+                "restart on the same data: process start -> first CONNACK of a clean client "
+                f"(retried every {PROBE_RETRY_S * 1000:g} ms), RSS then; drain to the persistent "
+                f"subscriber (limit {fmt_num(DRAIN_TIME_LIMIT_S)} s). broker CPU % = over the "
+                "start-up; loadgen CPU % = the drain's"
+            )
+    return out
 
 
 def progress_line(m: Measurement, sc: Scenario) -> str:
@@ -1287,6 +1728,13 @@ def settings_from_args(ns: argparse.Namespace) -> Settings:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="fastbroker vs Mosquitto, side by side, with bench/loadgen.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  python bench/run.py --quick                          # what CI runs\n"
+        "  python bench/run.py --scenarios fan-in,qos1 --rounds 5 --duration 10\n"
+        "  python bench/run.py --scenarios persistent --rounds 2  # only the durable-storage\n"
+        "      # scenarios: qos1-persistent-always,-interval,-never and startup-1m\n"
+        "  python bench/run.py --scenarios startup-1m",
     )
     p.add_argument("--rounds", type=int, help="rounds per scenario (default 3)")
     p.add_argument("--duration", type=float, help="measured seconds per run (default 5)")
@@ -1294,7 +1742,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--scenarios",
         help="comma-separated: fan-in,fan-out,pairs,qos1,latency,connections,payload "
-        "(or payload-16,payload-1k,payload-64k),loopback (default: all)",
+        "(or payload-16,payload-1k,payload-64k),loopback; durable storage: persistent (or "
+        "qos1-persistent-always,qos1-persistent-interval,qos1-persistent-never,startup-1m). "
+        "Default: all, or with --quick all but the durable-storage ones",
     )
     p.add_argument("--connections", type=int, help="idle connections (default 15000)")
     p.add_argument("--hold", type=float, help="seconds the connections are held (default 3)")
@@ -1305,7 +1755,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="short settings: 3 rounds of 2 s (0.5 s warm-up), 3,000 connections",
+        help="short settings: 3 rounds of 2 s (0.5 s warm-up), 3,000 connections; without "
+        "--scenarios, the durable-storage scenarios are left out (what CI runs)",
     )
     p.add_argument("--brokers", default=",".join(BROKERS), help="subset of brokers, for debugging")
     p.add_argument("--loadgen", help="loadgen binary (default: build bench/loadgen with cargo)")
@@ -1327,7 +1778,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         raise SystemExit(f"unknown broker(s): {', '.join(sorted(bad))}")
     settings = settings_from_args(ns)
-    scenarios = select_scenarios(build_scenarios(settings), ns.scenarios)
+    scenarios = select_scenarios(
+        default_scenarios(settings), ns.scenarios, extra=persistent_scenarios(settings)
+    )
     signal.signal(signal.SIGTERM, _sigterm)
     raise_nofile_limit()
     loadgen = find_loadgen(ns.loadgen)

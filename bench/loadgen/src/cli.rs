@@ -23,6 +23,13 @@ scenarios (defaults shown):
                                                      hold them HOLD s, close, print the result
   throughput  --payload 1024 --publishers 1          MB/s of payload, publishers -> 1 subscriber on bench/tp
   loopback    --payload 65536                        no broker: TCP loopback copy ceiling in MB/s
+  fill        --count 1000000 --publishers 8 --inflight 64 --payload 64 --persistent-subscriber ID
+                                                     not timed: the persistent subscriber ID subscribes to
+                                                     bench/in/+ at QoS 1 and disconnects, then the publishers
+                                                     send COUNT QoS 1 messages on bench/in/NN, all acked
+  drain       --count 1000000 --persistent-subscriber ID
+                                                     the persistent subscriber ID reconnects (no SUBSCRIBE)
+                                                     and PUBACKs until COUNT messages arrived; time to them
 other options:
   --rate R             fan-in/fan-out/pairs/throughput: cap all publishers together at R msg/s
                        (default 0 = as fast as TCP flow control lets them)
@@ -30,6 +37,11 @@ other options:
   --batch BYTES        bytes per write for flooding publishers (default 65536)
   --rcvlowat BYTES     SO_RCVLOWAT of QoS 0 subscribers outside latency (default 32768, 0 = off):
                        fewer wake-ups and reads when the broker writes message by message
+  --persistent-subscriber ID
+                       qos1/fan-in/throughput/latency, fill, drain: the subscriber keeps its session:
+                       client id ID, clean session 0 (3.1.1) / clean start 0 and session expiry
+                       0xFFFFFFFF (5.0); without it every session is clean, client ids fbl-PID-*
+  --time-limit S       fill/drain: fail if not done after S (default 120)
   --topic-prefix P     first topic level (default bench)
   --connect-timeout S  per connection set-up (default 10)
   --connect-phase-timeout S   connections: stop opening new connections after S (default 120)
@@ -46,6 +58,8 @@ pub enum Scenario {
     Connections,
     Throughput,
     Loopback,
+    Fill,
+    Drain,
 }
 
 impl Scenario {
@@ -59,6 +73,8 @@ impl Scenario {
             Scenario::Connections => "connections",
             Scenario::Throughput => "throughput",
             Scenario::Loopback => "loopback",
+            Scenario::Fill => "fill",
+            Scenario::Drain => "drain",
         }
     }
 
@@ -72,6 +88,8 @@ impl Scenario {
             "connections" => Scenario::Connections,
             "throughput" => Scenario::Throughput,
             "loopback" => Scenario::Loopback,
+            "fill" => Scenario::Fill,
+            "drain" => Scenario::Drain,
             _ => return None,
         })
     }
@@ -102,6 +120,9 @@ pub struct Opts {
     pub topic_prefix: String,
     pub connect_timeout: f64,
     pub connect_phase_timeout: f64,
+    /// Client id of a subscriber that keeps its session (None: clean sessions).
+    pub persistent_subscriber: Option<String>,
+    pub time_limit: f64,
 }
 
 impl Opts {
@@ -120,9 +141,13 @@ impl Opts {
             } else {
                 64
             },
-            qos: if scenario == Scenario::Qos1 { 1 } else { 0 },
+            qos: if matches!(scenario, Scenario::Qos1 | Scenario::Fill | Scenario::Drain) {
+                1
+            } else {
+                0
+            },
             publishers: match scenario {
-                Scenario::FanIn | Scenario::Qos1 => 8,
+                Scenario::FanIn | Scenario::Qos1 | Scenario::Fill => 8,
                 _ => 1,
             },
             subscribers: if scenario == Scenario::FanOut { 50 } else { 1 },
@@ -133,7 +158,11 @@ impl Opts {
             } else {
                 0.0
             },
-            count: 15000,
+            count: if matches!(scenario, Scenario::Fill | Scenario::Drain) {
+                1_000_000
+            } else {
+                15000
+            },
             sources: Vec::new(),
             sources_spec: String::new(),
             hold: 10.0,
@@ -143,6 +172,8 @@ impl Opts {
             topic_prefix: "bench".into(),
             connect_timeout: 10.0,
             connect_phase_timeout: 120.0,
+            persistent_subscriber: None,
+            time_limit: 120.0,
         }
     }
 }
@@ -222,6 +253,8 @@ pub fn parse(args: &[String]) -> Result<Opts, String> {
             "topic-prefix" => o.topic_prefix = v.to_string(),
             "connect-timeout" => o.connect_timeout = secs(k, v)?,
             "connect-phase-timeout" => o.connect_phase_timeout = secs(k, v)?,
+            "persistent-subscriber" => o.persistent_subscriber = Some(v.to_string()),
+            "time-limit" => o.time_limit = secs(k, v)?,
             _ => return Err(format!("unknown option --{k}")),
         }
     }
@@ -236,8 +269,43 @@ fn validate(o: &Opts) -> Result<(), String> {
     if o.qos > 1 {
         return Err("--qos: only 0 and 1 are supported".into());
     }
-    if o.scenario == Scenario::Qos1 && o.qos != 1 {
-        return Err("qos1: --qos must be 1".into());
+    if matches!(
+        o.scenario,
+        Scenario::Qos1 | Scenario::Fill | Scenario::Drain
+    ) && o.qos != 1
+    {
+        return Err(format!("{}: --qos must be 1", o.scenario.name()));
+    }
+    match &o.persistent_subscriber {
+        Some(id) if id.is_empty() || id.len() > 65_535 => {
+            return Err("--persistent-subscriber: a client id of 1..=65535 bytes".into());
+        }
+        Some(_)
+            if !matches!(
+                o.scenario,
+                Scenario::Qos1
+                    | Scenario::FanIn
+                    | Scenario::Throughput
+                    | Scenario::Latency
+                    | Scenario::Fill
+                    | Scenario::Drain
+            ) =>
+        {
+            return Err(format!(
+                "--persistent-subscriber: not for {} (only scenarios with one subscriber)",
+                o.scenario.name()
+            ));
+        }
+        None if matches!(o.scenario, Scenario::Fill | Scenario::Drain) => {
+            return Err(format!(
+                "{}: --persistent-subscriber ID is required",
+                o.scenario.name()
+            ));
+        }
+        _ => {}
+    }
+    if o.time_limit <= 0.0 {
+        return Err("--time-limit must be > 0".into());
     }
     if o.scenario == Scenario::Latency {
         if o.qos != 0 {
@@ -314,6 +382,12 @@ mod tests {
         let o = p("connections --count 100 --sources 127.0.0.2-127.0.0.3 --hold 0").unwrap();
         assert_eq!((o.count, o.sources.len(), o.hold), (100, 2, 0.0));
         assert_eq!(p("loopback").unwrap().payload, 65536);
+        let o = p("qos1 --persistent-subscriber bench-sub").unwrap();
+        assert_eq!(o.persistent_subscriber.as_deref(), Some("bench-sub"));
+        let o = p("fill --persistent-subscriber s --count 1000").unwrap();
+        assert_eq!((o.count, o.qos, o.publishers, o.inflight), (1000, 1, 8, 64));
+        let o = p("drain --persistent-subscriber s --time-limit 30").unwrap();
+        assert_eq!((o.count, o.time_limit), (1_000_000, 30.0));
     }
 
     #[test]
@@ -327,5 +401,9 @@ mod tests {
         assert!(p("latency --payload 4").is_err());
         assert!(p("fan-in --duration 0").is_err());
         assert!(p("fan-in --qos 2").is_err());
+        assert!(p("fill").is_err()); // needs --persistent-subscriber
+        assert!(p("drain --persistent-subscriber s --qos 0").is_err());
+        assert!(p("fan-out --persistent-subscriber s").is_err());
+        assert!(p("fill --persistent-subscriber s --time-limit 0").is_err());
     }
 }

@@ -6,6 +6,7 @@ mod hist;
 mod json;
 mod mqtt;
 mod net;
+mod persist;
 mod run;
 mod scan;
 
@@ -33,6 +34,8 @@ fn main() -> ExitCode {
     let outcome = match opts.scenario {
         Scenario::Connections => conns::run(&opts).map(|o| (o.result, o.errors)),
         Scenario::Loopback => run::run_loopback(&opts).map(|r| (r, 0)),
+        Scenario::Fill => persist::run_fill(&opts).map(|r| (r, 0)),
+        Scenario::Drain => persist::run_drain(&opts).map(|r| (r, 0)),
         _ => run::run_messages(&opts).map(|r| (r, 0)),
     };
     let mut out = std::io::stdout().lock();

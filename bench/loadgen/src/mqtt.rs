@@ -22,20 +22,38 @@ fn qos(q: u8) -> QoS {
     QoS::from_u8(q).unwrap_or(QoS::AtMostOnce)
 }
 
+/// Whether a session outlives its connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Session {
+    /// Clean session (3.1.1) / clean start and session expiry 0 (5.0).
+    Clean,
+    /// Clean session 0 (3.1.1) / clean start 0 and session expiry 0xFFFFFFFF, never (5.0):
+    /// the broker keeps the subscriptions and queues QoS 1/2 messages while it is offline.
+    Persistent,
+}
+
 pub fn connect_packet(client_id: &str, proto: Protocol) -> Vec<u8> {
+    connect_packet_with(client_id, proto, Session::Clean)
+}
+
+pub fn connect_packet_with(client_id: &str, proto: Protocol, session: Session) -> Vec<u8> {
+    let persistent = session == Session::Persistent;
     let mut out = Vec::new();
     codec::encode(
         &Packet::Connect(Box::new(Connect {
             protocol: proto,
-            clean_start: true,
+            clean_start: !persistent,
             keep_alive: KEEP_ALIVE,
             client_id: client_id.to_string(),
             will: None,
             username: None,
             password: None,
-            // 5.0: session expiry, receive maximum and packet size left at their defaults
-            // (0, 65,535, unlimited).
-            properties: Properties::default(),
+            // 5.0: receive maximum and packet size left at their defaults (65,535,
+            // unlimited); session expiry 0 unless persistent.
+            properties: Properties {
+                session_expiry_interval: (persistent && proto == Protocol::V5).then_some(u32::MAX),
+                ..Properties::default()
+            },
         })),
         proto,
         &mut out,
@@ -59,7 +77,7 @@ pub fn subscribe_packet(pkid: u16, filters: &[(String, u8)], proto: Protocol) ->
                     retain_handling: 0,
                 })
                 .collect(),
-            properties: Properties::default(),
+            properties: None,
         }),
         proto,
         &mut out,
@@ -89,7 +107,7 @@ pub fn publish_template(
             retain: false,
             topic: Bytes::copy_from_slice(topic.as_bytes()),
             pkid: if q > 0 { 1 } else { 0 },
-            properties: Properties::default(),
+            properties: None,
             payload: Bytes::copy_from_slice(payload),
         }),
         proto,
@@ -164,14 +182,29 @@ pub struct Client {
     pub proto: Protocol,
     /// MQTT 5 CONNACK Receive Maximum: QoS 1 publishes the broker accepts unacknowledged.
     pub receive_maximum: Option<u16>,
+    /// CONNACK Session Present: the broker resumed a stored session.
+    pub session_present: bool,
 }
 
-/// TCP connect (optionally from `src`), CONNECT, wait for a successful CONNACK.
+/// TCP connect (optionally from `src`), CONNECT with a clean session, wait for a successful
+/// CONNACK.
 pub fn open(
     addr: SocketAddr,
     src: Option<Ipv4Addr>,
     client_id: &str,
     proto: Protocol,
+    timeout: Duration,
+) -> Result<Client, String> {
+    open_with(addr, src, client_id, proto, Session::Clean, timeout)
+}
+
+/// [`open`] with a choice of session.
+pub fn open_with(
+    addr: SocketAddr,
+    src: Option<Ipv4Addr>,
+    client_id: &str,
+    proto: Protocol,
+    session: Session,
     timeout: Duration,
 ) -> Result<Client, String> {
     let deadline = Instant::now() + timeout;
@@ -181,17 +214,21 @@ pub fn open(
     })?;
     stream
         .set_write_timeout(Some(timeout))
-        .and_then(|_| std::io::Write::write_all(&mut stream, &connect_packet(client_id, proto)))
+        .and_then(|_| {
+            std::io::Write::write_all(&mut stream, &connect_packet_with(client_id, proto, session))
+        })
         .map_err(|e| format!("sending CONNECT failed: {e}"))?;
     let mut c = Client {
         stream,
         pending: BytesMut::with_capacity(64),
         proto,
         receive_maximum: None,
+        session_present: false,
     };
     match c.read_packet(deadline, "CONNACK")? {
         Packet::ConnAck(ack) if ack.reason_code == 0 => {
-            c.receive_maximum = ack.properties.receive_maximum;
+            c.receive_maximum = ack.properties.as_ref().and_then(|p| p.receive_maximum);
+            c.session_present = ack.session_present;
             Ok(c)
         }
         Packet::ConnAck(ack) => {
@@ -203,7 +240,7 @@ pub fn open(
                 client_id,
                 proto,
                 wire,
-                ack.properties.reason_string,
+                ack.properties.and_then(|p| p.reason_string),
             ))
         }
         other => Err(format!(
@@ -307,6 +344,26 @@ mod tests {
             .unwrap_err();
         assert!(e.contains("reason code 0x87"), "{e}");
         assert!(v(&[0xd0, 0x00], Protocol::V311).unwrap().is_err());
+    }
+
+    #[test]
+    fn persistent_connect_keeps_the_session() {
+        for proto in [Protocol::V311, Protocol::V5] {
+            for (session, clean, expiry) in [
+                (Session::Clean, true, None),
+                (Session::Persistent, false, Some(u32::MAX)),
+            ] {
+                let mut buf = BytesMut::from(&connect_packet_with("sub-1", proto, session)[..]);
+                match codec::decode(&mut buf, proto, 1 << 20).unwrap().unwrap() {
+                    Packet::Connect(c) => {
+                        assert_eq!((c.client_id.as_str(), c.clean_start), ("sub-1", clean));
+                        let want = if proto == Protocol::V5 { expiry } else { None };
+                        assert_eq!(c.properties.session_expiry_interval, want);
+                    }
+                    p => panic!("{p:?}"),
+                }
+            }
+        }
     }
 
     #[test]

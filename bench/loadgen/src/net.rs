@@ -290,6 +290,15 @@ impl Lowat {
         Ok(Lowat { cur, backoffs: 0 })
     }
 
+    /// Lowers the mark to at most `max` bytes (when no more than that is still expected).
+    #[inline]
+    pub fn cap(&mut self, s: &TcpStream, max: usize) {
+        if self.cur > max.max(1) {
+            self.cur = if max < 8 { 1 } else { max };
+            let _ = set_rcvlowat(s, self.cur);
+        }
+    }
+
     /// After a read that returned `n` > 0 bytes.
     #[inline]
     pub fn after_read(&mut self, s: &TcpStream, n: usize) {
@@ -427,6 +436,13 @@ mod tests {
         lw.after_read(&srv, 1);
         assert_eq!(lw.backoffs, 4);
         assert_eq!(Lowat::new(&srv, 4).unwrap().cur, 1);
+        let mut lw = Lowat::new(&srv, 1000).unwrap();
+        lw.cap(&srv, 2000);
+        assert_eq!(lw.cur, 1000);
+        lw.cap(&srv, 300);
+        assert_eq!((lw.cur, lw.backoffs), (300, 0));
+        lw.cap(&srv, 5);
+        assert_eq!(lw.cur, 1);
     }
 
     #[test]

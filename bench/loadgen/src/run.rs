@@ -1,4 +1,5 @@
-//! The message scenarios (fan-in, fan-out, pairs, qos1, latency, throughput) and loopback.
+//! The message scenarios (fan-in, fan-out, pairs, qos1, latency, throughput) and loopback;
+//! the pieces that `persist` (fill, drain) shares with them.
 //!
 //! One thread per connection with blocking sockets: publishers are flow-controlled by TCP
 //! alone (a broker that reads slower slows them down), subscribers block in `read` on a
@@ -17,7 +18,7 @@ use fastbroker_core::codec::Protocol;
 use crate::cli::{Opts, Scenario};
 use crate::hist::Histogram;
 use crate::json::Obj;
-use crate::mqtt::{self, Client, PublishTemplate};
+use crate::mqtt::{self, Client, PublishTemplate, Session};
 use crate::net::{self, POLL};
 use crate::scan::{self, Scanner};
 
@@ -144,13 +145,13 @@ struct SubStats {
 }
 
 #[derive(Default)]
-struct PubStats {
+pub struct PubStats {
     window_sent: u64,
-    total_sent: u64,
+    pub total_sent: u64,
     window_acked: u64,
-    total_acked: u64,
-    rejected: u64,
-    lowat_backoffs: u32,
+    pub total_acked: u64,
+    pub rejected: u64,
+    pub lowat_backoffs: u32,
 }
 
 struct Plan {
@@ -219,7 +220,9 @@ fn plan(o: &Opts) -> Plan {
             vec![format!("{p}/tp")],
             1.0,
         ),
-        Scenario::Connections | Scenario::Loopback => unreachable!("not a message scenario"),
+        Scenario::Connections | Scenario::Loopback | Scenario::Fill | Scenario::Drain => {
+            unreachable!("not a message scenario")
+        }
     };
     Plan {
         pubs,
@@ -241,7 +244,7 @@ fn plan(o: &Opts) -> Plan {
     }
 }
 
-fn params(o: &Opts) -> Obj {
+pub fn params(o: &Opts) -> Obj {
     let mut p = Obj::new();
     if o.scenario != Scenario::Loopback {
         let proto = if o.protocol == Protocol::V5 {
@@ -255,7 +258,7 @@ fn params(o: &Opts) -> Obj {
     }
     p.set("payload", o.payload);
     match o.scenario {
-        Scenario::FanIn | Scenario::Qos1 | Scenario::Throughput => {
+        Scenario::FanIn | Scenario::Qos1 | Scenario::Throughput | Scenario::Fill => {
             p.set("publishers", o.publishers);
         }
         Scenario::FanOut => {
@@ -269,8 +272,15 @@ fn params(o: &Opts) -> Obj {
     if o.scenario != Scenario::Loopback {
         p.set("qos", o.qos);
     }
-    if o.qos == 1 {
+    if o.qos == 1 && o.scenario != Scenario::Drain {
         p.set("inflight", o.inflight);
+    }
+    if let Some(id) = &o.persistent_subscriber {
+        p.set("persistent_subscriber", id.as_str());
+    }
+    if matches!(o.scenario, Scenario::Fill | Scenario::Drain) {
+        p.set("count", o.count).set("time_limit_s", o.time_limit);
+        return p;
     }
     if o.rate > 0.0 {
         p.set("rate", o.rate);
@@ -284,7 +294,7 @@ fn params(o: &Opts) -> Obj {
     p
 }
 
-fn spawn<T: Send + 'static>(
+pub fn spawn<T: Send + 'static>(
     name: String,
     shared: &Arc<Shared>,
     f: impl FnOnce(&Shared) -> Result<T, String> + Send + 'static,
@@ -317,8 +327,17 @@ pub fn run_messages(o: &Opts) -> Result<Obj, String> {
     // Everything connected and subscribed before the first PUBLISH.
     let mut subs = Vec::with_capacity(plan.subs.len());
     for (i, f) in plan.subs.iter().enumerate() {
-        let mut c = mqtt::open(addr, None, &format!("fbl-{pid}-s{i}"), o.protocol, timeout)
+        let (id, session) = match &o.persistent_subscriber {
+            Some(id) if i == 0 => (id.clone(), Session::Persistent),
+            _ => (format!("fbl-{pid}-s{i}"), Session::Clean),
+        };
+        let mut c = mqtt::open_with(addr, None, &id, o.protocol, session, timeout)
             .map_err(|e| format!("subscriber {i}: {e}"))?;
+        if c.session_present {
+            eprintln!(
+                "fastbroker-loadgen: {name}: warning: the broker resumed a session of {id:?}"
+            );
+        }
         c.subscribe(&[(f.clone(), plan.qos)], timeout)
             .map_err(|e| format!("subscriber {i}: {e}"))?;
         subs.push(c);
@@ -362,7 +381,7 @@ pub fn run_messages(o: &Opts) -> Result<Obj, String> {
         match spawn(format!("publisher {i}"), &shared, move |sh| match mode {
             PubMode::Flood { batch } => flood(c, &t, tl, batch, sh),
             PubMode::Paced { rate, stamp } => paced(c, &t, tl, rate, stamp, sh),
-            PubMode::Window { inflight } => windowed(c, &t, tl, inflight, sh),
+            PubMode::Window { inflight } => windowed(c, &t, tl, inflight, u64::MAX, sh),
         }) {
             Ok(h) => pub_threads.push(h),
             Err(e) => shared.fail(e),
@@ -470,18 +489,18 @@ pub fn run_messages(o: &Opts) -> Result<Obj, String> {
 }
 
 /// What a subscriber's reads go through: scanner, pending PUBACKs, latency histogram.
-struct SubState {
-    scanner: Scanner,
-    acks: Vec<u8>,
-    hist: Option<Box<Histogram>>,
-    v5: bool,
-    ack: bool,
+pub struct SubState {
+    pub scanner: Scanner,
+    pub acks: Vec<u8>,
+    pub hist: Option<Box<Histogram>>,
+    pub v5: bool,
+    pub ack: bool,
 }
 
 impl SubState {
     /// Handles one read's bytes; returns the PUBLISH packets completed by them.
     #[inline]
-    fn chunk(&mut self, data: &[u8], record: bool, now_ns: u64) -> Result<u64, String> {
+    pub fn chunk(&mut self, data: &[u8], record: bool, now_ns: u64) -> Result<u64, String> {
         let mut n = 0u64;
         let mut bad: Option<String> = None;
         let (acks, hist, v5, ack) = (&mut self.acks, &mut self.hist, self.v5, self.ack);
@@ -800,11 +819,14 @@ impl PkidSet {
     }
 }
 
-fn windowed(
+/// QoS 1 publisher with up to `inflight_max` unacknowledged, until `tl.end` or until `quota`
+/// messages have been sent and acknowledged (u64::MAX: no quota).
+pub fn windowed(
     mut c: Client,
     t: &PublishTemplate,
     tl: Timeline,
     inflight_max: usize,
+    quota: u64,
     shared: &Shared,
 ) -> Result<PubStats, String> {
     let pkt = t.bytes.len();
@@ -868,10 +890,11 @@ fn windowed(
             break;
         }
         let now = Instant::now();
-        if now >= tl.end {
+        if now >= tl.end || stats.total_acked >= quota {
             break;
         }
-        let room = inflight_max - inflight;
+        let left = usize::try_from(quota - stats.total_sent).unwrap_or(usize::MAX);
+        let room = (inflight_max - inflight).min(left);
         if room > 0 {
             for j in 0..room {
                 let id = ids.take();

@@ -258,7 +258,7 @@ pub fn ack_pkid(body: &[u8]) -> Option<u16> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use fastbroker_core::codec::{self, Ack, Packet, Properties, Protocol, Publish, QoS};
+    use fastbroker_core::codec::{self, Ack, Packet, Protocol, Publish, QoS};
 
     fn publish(topic: &str, qos: QoS, pkid: u16, payload: &[u8], proto: Protocol) -> Vec<u8> {
         let mut out = Vec::new();
@@ -269,7 +269,7 @@ mod tests {
                 retain: false,
                 topic: bytes::Bytes::copy_from_slice(topic.as_bytes()),
                 pkid,
-                properties: Properties::default(),
+                properties: None,
                 payload: bytes::Bytes::copy_from_slice(payload),
             }),
             proto,
@@ -285,7 +285,7 @@ mod tests {
             &Packet::PubAck(Ack {
                 pkid,
                 reason_code: 0,
-                properties: Properties::default(),
+                properties: None,
             }),
             Protocol::V311,
             &mut out,
