@@ -59,20 +59,26 @@ def test_mosquitto_config_lifts_limits_and_disables_persistence():
     assert "user root" in bench.mosquitto_config_text(18830, as_root=True).splitlines()
 
 
-def test_fastbroker_config_lifts_limits(tmp_path):
+def test_fastbroker_config_uses_defaults_except_for_persistence(tmp_path):
     text = bench.fastbroker_config_text(18831, str(tmp_path / "data"))
     config = tomllib.loads(text)
     assert config["listener"] == {"host": "127.0.0.1", "port": 18831}
     assert config["sys"]["interval"] == 0
-    assert config["mqtt"]["max_queued_messages"] == 1_000_000
-    assert config["mqtt"]["max_inflight"] == 65535
-    assert config["mqtt"]["receive_maximum"] == 65535
-    # fastbroker's own loader accepts it (unknown keys or bad values would raise).
+    # The targets are for fastbroker's default settings.
+    assert config["mqtt"] == {}
+    durable_text = bench.fastbroker_config_text(18831, str(tmp_path / "data"), fsync="always")
+    durable = tomllib.loads(durable_text)
+    assert durable["storage"]["fsync"] == "always"
+    assert durable["mqtt"]["max_queued_messages"] == 1_000_000
+    assert durable["mqtt"]["max_inflight"] == 65535
+    assert durable["mqtt"]["receive_maximum"] == 65535
+    # fastbroker's own loader accepts both (unknown keys or bad values would raise).
     fb_config = pytest.importorskip("fastbroker.config")
-    path = tmp_path / "fb.toml"
-    path.write_text(text)
-    loaded = fb_config.load_config(path, {})
-    assert loaded.mqtt["max_inflight"] == 65535
+    for i, t in enumerate((text, durable_text)):
+        path = tmp_path / f"fb{i}.toml"
+        path.write_text(t)
+        fb_config.load_config(path, {})
+    assert fb_config.load_config(path, {}).mqtt["max_inflight"] == 65535
 
 
 # --------------------------------------------------------------------------- scenarios
