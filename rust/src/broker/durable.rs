@@ -116,7 +116,7 @@ impl Engine {
     }
 
     fn put(&mut self, key: Vec<u8>, body: &[u8]) {
-        let value = envelope::seal(body, self.cfg.compress_above);
+        let value = envelope::seal(&key, body, self.cfg.compress_above);
         self.store_ops.push((key, Some(value)));
     }
 
@@ -343,7 +343,7 @@ impl Engine {
 
     fn restore_one(&mut self, key: &[u8], value: &[u8]) -> Result<(), String> {
         let parsed = records::parse_key(key).ok_or("unknown key")?;
-        let body = envelope::open(value).map_err(|e| e.to_string())?;
+        let body = envelope::open(key, value).map_err(|e| e.to_string())?;
         let r = self.restoring.get_or_insert_with(Box::default);
         match parsed {
             Key::Session(id) => {

@@ -71,6 +71,8 @@ pub struct Engine {
     unconfirmed_publishers: Vec<ConnId>,
     /// Wall-clock ms minus monotonic ms.
     wall_offset: i64,
+    /// QoS 1/2 deliveries dropped because a session's queue was full (for 0x97).
+    quota_drops: u64,
     /// Records being read back at start-up.
     restoring: Option<Box<durable::Restoring>>,
 }
@@ -99,6 +101,7 @@ impl Engine {
             unconfirmed_publishers: Vec::new(),
             wall_offset: 0,
             restoring: None,
+            quota_drops: 0,
         }
     }
 

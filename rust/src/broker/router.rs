@@ -108,10 +108,10 @@ impl Engine {
             QoS::AtLeastOnce => {
                 let pkid = p.pkid;
                 let ops_before = self.store_ops.len();
+                let drops_before = self.quota_drops;
                 let delivered = self.route(Arc::new(message_of(p, sid, now)), now);
                 self.note_publisher(id, ops_before);
-                // 0x10: "no matching subscribers", as MQTT 5 lets the server say.
-                let code = if v5 && delivered == 0 { 0x10 } else { 0 };
+                let code = self.publish_result(v5, delivered, drops_before);
                 self.send(id, &Packet::PubAck(Engine::ack(pkid, code)));
             }
             QoS::ExactlyOnce => {
@@ -128,12 +128,35 @@ impl Engine {
                 }
                 session.inbound_qos2.insert(pkid);
                 let ops_before = self.store_ops.len();
+                let drops_before = self.quota_drops;
                 self.store_inbound(sid, pkid, true);
                 let delivered = self.route(Arc::new(message_of(p, sid, now)), now);
                 self.note_publisher(id, ops_before);
-                let code = if v5 && delivered == 0 { 0x10 } else { 0 };
+                let code = self.publish_result(v5, delivered, drops_before);
+                if code >= 0x80 {
+                    // A failed PUBREC ends the exchange (MQTT 5 4.3.3): no PUBREL will come.
+                    if let Some(s) = self.session_mut(sid) {
+                        s.inbound_qos2.remove(&pkid);
+                    }
+                    self.store_inbound(sid, pkid, false);
+                }
                 self.send(id, &Packet::PubRec(Engine::ack(pkid, code)));
             }
+        }
+    }
+
+    /// The reason code of a QoS 1/2 publish's PUBACK / PUBREC (MQTT 5; 3.1.1 has none):
+    /// 0x10 no matching subscribers, 0x97 quota exceeded when every subscriber's queue was
+    /// full and dropped it.
+    fn publish_result(&self, v5: bool, delivered: usize, drops_before: u64) -> u8 {
+        if !v5 {
+            0
+        } else if delivered == 0 {
+            0x10
+        } else if self.quota_drops - drops_before >= delivered as u64 {
+            0x97
+        } else {
+            0
         }
     }
 
@@ -397,6 +420,9 @@ impl Engine {
         }
         if full(session) {
             dropped += 1;
+            if d.qos != QoS::AtMostOnce {
+                self.quota_drops += 1;
+            }
         } else {
             self.store_delivery(sid, &mut d, self.last_now);
             let session = self.session_mut(sid).expect("caller checked");

@@ -690,3 +690,33 @@ fn per_client_state_stays_small() {
         "Conn {conn} B, Session {session} B"
     );
 }
+
+#[test]
+fn full_queues_answer_quota_exceeded_in_mqtt5() {
+    let mut h = Harness::with(Config {
+        max_queued_messages: 1,
+        ..Config::default()
+    });
+    let sub = h.connect("sub", Protocol::V311, false);
+    h.subscribe(sub, "t", QoS::AtLeastOnce);
+    h.e.closed(sub, h.now);
+    let (publ, _) = h.connect_with(connect("pub", Protocol::V5, true));
+    let codes = |h: &mut Harness| -> Vec<u8> {
+        h.recv_one(publ)
+            .iter()
+            .filter_map(|p| match p {
+                Packet::PubAck(a) | Packet::PubRec(a) => Some(a.reason_code),
+                _ => None,
+            })
+            .collect()
+    };
+    h.publish(publ, "t", "fits", QoS::AtLeastOnce, false);
+    assert_eq!(codes(&mut h), vec![0]);
+    h.publish(publ, "t", "full", QoS::AtLeastOnce, false);
+    assert_eq!(codes(&mut h), vec![0x97]);
+    h.publish(publ, "t", "full", QoS::ExactlyOnce, false);
+    assert_eq!(codes(&mut h), vec![0x97]);
+    // The refused QoS 2 id is free again: the same id is accepted as a new message later.
+    h.publish(publ, "nobody", "x", QoS::ExactlyOnce, false);
+    assert_eq!(codes(&mut h), vec![0x10]);
+}

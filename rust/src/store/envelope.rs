@@ -1,12 +1,12 @@
 //! The envelope around every stored value: format version, flags, a checksum, the body.
 //!
 //! ```text
-//! [version u8][flags u8][xxh3-64 of flags + stored body, u64 LE][stored body]
+//! [version u8][flags u8][xxh3-64 of key + flags + stored body, u64 LE][stored body]
 //! ```
-//! A torn write, a flipped bit or a value from a newer format is reported, never decoded.
+//! The checksum covers the record's key too, so a value read under the wrong key (a damaged
+//! key) fails like a damaged value. A torn write, a flipped bit or a value from a newer
+//! format is reported, never decoded.
 //! Bodies above the configured size are compressed with zstd (flag bit 0).
-
-use xxhash_rust::xxh3::xxh3_64;
 
 /// Version of the value layout; a newer one is refused, not guessed at.
 pub const VERSION: u8 = 1;
@@ -41,33 +41,39 @@ impl std::fmt::Display for EnvelopeError {
 
 /// Wraps `body`, compressing it when it is longer than `compress_above` bytes (0 = never)
 /// and compression actually saves space.
-pub fn seal(body: &[u8], compress_above: usize) -> Vec<u8> {
+pub fn seal(key: &[u8], body: &[u8], compress_above: usize) -> Vec<u8> {
     if compress_above > 0 && body.len() > compress_above {
         if let Ok(packed) = zstd::bulk::compress(body, ZSTD_LEVEL) {
             if packed.len() < body.len() {
-                return frame(FLAG_ZSTD, &packed);
+                return frame(key, FLAG_ZSTD, &packed);
             }
         }
     }
-    frame(0, body)
+    frame(key, 0, body)
 }
 
-fn frame(flags: u8, stored: &[u8]) -> Vec<u8> {
+fn frame(key: &[u8], flags: u8, stored: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER + stored.len());
     out.push(VERSION);
     out.push(flags);
-    out.extend_from_slice(&checksum(flags, stored).to_le_bytes());
+    out.extend_from_slice(&checksum(key, flags, stored).to_le_bytes());
     out.extend_from_slice(stored);
     out
 }
 
-fn checksum(flags: u8, stored: &[u8]) -> u64 {
-    // The flags are covered too: a flipped compression bit must not pass.
-    xxh3_64(stored) ^ u64::from(flags).rotate_left(56)
+fn checksum(key: &[u8], flags: u8, stored: &[u8]) -> u64 {
+    // One streaming hash over key, flags and body: a flipped compression bit or a value
+    // under another key must not pass.
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(&(key.len() as u32).to_le_bytes());
+    h.update(key);
+    h.update(&[flags]);
+    h.update(stored);
+    h.digest()
 }
 
 /// Checks and unwraps a stored value; the body is borrowed unless it was compressed.
-pub fn open(value: &[u8]) -> Result<std::borrow::Cow<'_, [u8]>, EnvelopeError> {
+pub fn open<'v>(key: &[u8], value: &'v [u8]) -> Result<std::borrow::Cow<'v, [u8]>, EnvelopeError> {
     if value.len() < HEADER {
         return Err(EnvelopeError::TooShort);
     }
@@ -80,7 +86,7 @@ pub fn open(value: &[u8]) -> Result<std::borrow::Cow<'_, [u8]>, EnvelopeError> {
     }
     let want = u64::from_le_bytes(value[2..HEADER].try_into().expect("8 bytes"));
     let stored = &value[HEADER..];
-    if checksum(flags, stored) != want {
+    if checksum(key, flags, stored) != want {
         return Err(EnvelopeError::Checksum);
     }
     if flags & FLAG_ZSTD == 0 {
@@ -107,12 +113,12 @@ mod tests {
     #[test]
     fn round_trips_plain_and_compressed() {
         let small = b"hello".to_vec();
-        assert_eq!(&*open(&seal(&small, 4096)).unwrap(), &small[..]);
+        assert_eq!(&*open(b"k", &seal(b"k", &small, 4096)).unwrap(), &small[..]);
         let big = vec![b'a'; 100_000];
-        let sealed = seal(&big, 4096);
+        let sealed = seal(b"k", &big, 4096);
         assert!(sealed.len() < 1000, "compressed to {}", sealed.len());
         assert_eq!(sealed[1], FLAG_ZSTD);
-        assert_eq!(&*open(&sealed).unwrap(), &big[..]);
+        assert_eq!(&*open(b"k", &sealed).unwrap(), &big[..]);
         // Incompressible data is stored as is.
         let mut x = 0x9E37_79B9_7F4A_7C15u64;
         let noise: Vec<u8> = (0..10_000)
@@ -124,33 +130,41 @@ mod tests {
                 x as u8
             })
             .collect();
-        assert_eq!(seal(&noise, 16)[1], 0);
-        assert_eq!(&*open(&seal(&big, 0)).unwrap(), &big[..]);
+        assert_eq!(seal(b"k", &noise, 16)[1], 0);
+        assert_eq!(&*open(b"k", &seal(b"k", &big, 0)).unwrap(), &big[..]);
+        // The same value under another key fails.
+        assert_eq!(open(b"j", &sealed), Err(EnvelopeError::Checksum));
     }
 
     #[test]
     fn every_single_bit_flip_and_truncation_is_detected() {
         for body in [b"some value".to_vec(), vec![7u8; 20_000]] {
-            let sealed = seal(&body, 100);
+            let sealed = seal(b"key", &body, 100);
             for i in 0..sealed.len().min(400) {
                 for bit in 0..8 {
                     let mut bad = sealed.clone();
                     bad[i] ^= 1 << bit;
-                    assert!(open(&bad).is_err(), "flip of bit {bit} in byte {i} passed");
+                    assert!(
+                        open(b"key", &bad).is_err(),
+                        "flip of bit {bit} in byte {i} passed"
+                    );
                 }
             }
             for len in 0..sealed.len() {
-                assert!(open(&sealed[..len]).is_err(), "truncation to {len} passed");
+                assert!(
+                    open(b"key", &sealed[..len]).is_err(),
+                    "truncation to {len} passed"
+                );
             }
         }
     }
 
     #[test]
     fn newer_versions_are_refused() {
-        let mut sealed = seal(b"x", 0);
+        let mut sealed = seal(b"k", b"x", 0);
         sealed[0] = VERSION + 1;
         assert_eq!(
-            open(&sealed),
+            open(b"k", &sealed),
             Err(EnvelopeError::UnknownVersion(VERSION + 1))
         );
     }
