@@ -16,14 +16,10 @@ import threading
 import fastbroker_core
 import pytest
 import uvloop
+from test_python_calls import CONNECT_PUB, CONNECT_SUB, PUBLISH, SUBSCRIBE, read_exactly
 
 from fastbroker._connection import Server
 
-CONNECT_SUB = bytes([0x10, 15, 0, 4]) + b"MQTT" + bytes([4, 2, 0, 0, 0, 3]) + b"sub"
-CONNECT_PUB = bytes([0x10, 15, 0, 4]) + b"MQTT" + bytes([4, 2, 0, 0, 0, 3]) + b"pub"
-SUBSCRIBE = bytes([0x82, 8, 0, 1, 0, 3]) + b"t/#" + bytes([0])
-PAYLOAD = b"x" * 64
-PUBLISH = bytes([0x30, 2 + 3 + len(PAYLOAD), 0, 3]) + b"t/a" + PAYLOAD
 FLOOD_BYTES = 16 * 1024 * 1024
 
 
@@ -47,16 +43,6 @@ class FeedPerFlush:
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
-
-
-def read_exactly(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(min(n - len(data), 1 << 20))
-        if not chunk:
-            raise ConnectionError("broker closed the connection")
-        data += chunk
-    return bytes(data)
 
 
 def flood(read_budget: int) -> int:

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use bytes::Bytes;
 
-use super::tests::{connect, publishes, sub_filter, Harness};
+use super::tests::{connect, publishes, Harness};
 use super::*;
 use crate::codec::{Ack, LastWill, Packet, Protocol, QoS};
 
@@ -171,15 +171,7 @@ fn retained_messages_and_a_will_of_a_live_connection_survive() {
     let (mut h, summary) = restart(&disk, h.now + 1000);
     assert_eq!(summary.retained, 1);
     let (watcher, _) = h.connect_with(connect("w", Protocol::V311, true));
-    h.send(
-        watcher,
-        Packet::Subscribe(crate::codec::Subscribe {
-            pkid: 1,
-            filters: vec![sub_filter("#", QoS::AtLeastOnce)],
-            properties: None,
-        }),
-    );
-    let ps = h.recv_one(watcher);
+    let ps = h.subscribe_recv(watcher, "#", QoS::AtLeastOnce, Properties::default());
     let mut topics: Vec<Vec<u8>> = publishes(&ps).iter().map(|p| p.topic.to_vec()).collect();
     topics.sort();
     assert_eq!(topics, vec![b"r/1".to_vec(), b"status/dev".to_vec()]);
@@ -302,15 +294,7 @@ fn retained_count_and_size_limits_keep_delivering() {
     assert_eq!(publishes(&h.recv_one(watcher)).len(), 5);
     assert_eq!(h.e.retained_count(), 2);
     let late = h.connect("late", Protocol::V311, true);
-    h.send(
-        late,
-        Packet::Subscribe(crate::codec::Subscribe {
-            pkid: 1,
-            filters: vec![sub_filter("#", QoS::AtMostOnce)],
-            properties: None,
-        }),
-    );
-    let got = h.recv_one(late);
+    let got = h.subscribe_recv(late, "#", QoS::AtMostOnce, Properties::default());
     let mut kept: Vec<(Vec<u8>, Vec<u8>)> = publishes(&got)
         .iter()
         .map(|p| (p.topic.to_vec(), p.payload.to_vec()))

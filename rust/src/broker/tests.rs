@@ -94,6 +94,20 @@ impl Harness {
         qos: QoS,
         props: Properties,
     ) -> Vec<u8> {
+        match self.subscribe_recv(id, filter, qos, props).first() {
+            Some(Packet::SubAck(a)) => a.reason_codes.clone(),
+            other => panic!("expected SUBACK, got {other:?}"),
+        }
+    }
+
+    /// Subscribes; returns everything the connection received (SUBACK, then any retained).
+    pub(super) fn subscribe_recv(
+        &mut self,
+        id: ConnId,
+        filter: &str,
+        qos: QoS,
+        props: Properties,
+    ) -> Vec<Packet> {
         self.send(
             id,
             Packet::Subscribe(Subscribe {
@@ -102,10 +116,7 @@ impl Harness {
                 properties: props.into_boxed(),
             }),
         );
-        match self.recv_one(id).first() {
-            Some(Packet::SubAck(a)) => a.reason_codes.clone(),
-            other => panic!("expected SUBACK, got {other:?}"),
-        }
+        self.recv_one(id)
     }
 
     pub(super) fn publish(
@@ -142,7 +153,7 @@ pub(super) fn connect(client_id: &str, protocol: Protocol, clean: bool) -> Conne
     }
 }
 
-pub(super) fn sub_filter(filter: &str, qos: QoS) -> SubscribeFilter {
+fn sub_filter(filter: &str, qos: QoS) -> SubscribeFilter {
     SubscribeFilter {
         filter: filter.to_string(),
         qos,
@@ -330,15 +341,7 @@ fn retained_set_replace_delete_and_sent_on_subscribe() {
     h.publish(publ, "r/2", "c", QoS::AtMostOnce, true);
     h.publish(publ, "r/2", "", QoS::AtMostOnce, true);
     let sub = h.connect("sub", Protocol::V5, true);
-    h.send(
-        sub,
-        Packet::Subscribe(Subscribe {
-            pkid: 1,
-            filters: vec![sub_filter("r/#", QoS::AtLeastOnce)],
-            properties: None,
-        }),
-    );
-    let got = h.recv_one(sub);
+    let got = h.subscribe_recv(sub, "r/#", QoS::AtLeastOnce, Properties::default());
     assert!(matches!(got[0], Packet::SubAck(_)), "SUBACK comes first");
     let pubs = publishes(&got);
     assert_eq!(pubs.len(), 1);
