@@ -140,3 +140,57 @@ class Engine:
     def stats(self) -> dict[str, int]:
         """Counters: clients_connected, sessions, subscriptions, retained, messages_received,
         messages_sent, bytes_received, bytes_sent, publish_dropped, inflight, queued."""
+
+# ---- cluster wire format: frames between nodes ----------------------------------------------
+#
+# A frame is a u32 big-endian length of what follows, a u8 kind, then one value. Values are
+# self-describing: None, bool, int (-2**63 .. 2**63-1), float (bits kept: NaN payloads, -0.0),
+# str, bytes, list, dict (keys of any of these types, in order). Tuples are encoded as lists;
+# decoding gives lists, except inside dict keys, where lists become tuples (so that they can be
+# keys again). bytearray is encoded as bytes. Lists and dicts nest at most 64 deep. Every
+# value has exactly one encoding.
+
+class FrameError(ValueError):
+    """Bytes from a peer are not a valid frame or value: drop the connection."""
+
+def encode_value(value: object) -> bytes:
+    """The encoding of ``value``.
+
+    Raises ValueError for an unsupported type (set, object(), ...), an int outside the i64
+    range, a str with a lone surrogate, or nesting deeper than 64 (a list holding itself
+    included).
+    """
+
+def decode_value(data: bytes | bytearray) -> object:
+    """The value encoded in all of ``data``.
+
+    Raises FrameError when ``data`` is malformed: unknown tag, truncated, invalid UTF-8, a
+    varint over 64 bits or not minimal, bytes after the value, nesting deeper than 64, or a
+    dict key that Python cannot hash (a dict).
+    """
+
+def encode_frame(kind: int, value: object) -> bytes:
+    """One whole frame of ``kind`` (0..255) and ``value``.
+
+    Raises ValueError when ``kind`` is not in 0..255, and as ``encode_value`` does.
+    """
+
+@final
+class FrameDecoder:
+    """Incremental frame decoder over one connection: feed any split of the byte stream, get
+    whole frames."""
+
+    def __new__(cls, max_frame: int = 16777216) -> FrameDecoder:
+        """``max_frame`` (at least 1) bounds a frame's announced length (kind and value, not
+        the 4-byte length itself); a longer frame is refused as soon as its length arrives."""
+    def feed(self, data: bytes | bytearray) -> list[tuple[int, object]]:
+        """Appends ``data`` and returns every whole frame now available as ``(kind, value)``,
+        in order (may be empty); a partial frame stays buffered.
+
+        Raises FrameError on a malformed or oversized frame; frames decoded earlier in the
+        same call are then lost, and every later call raises the same error (the caller drops
+        the connection).
+        """
+    @property
+    def buffered(self) -> int:
+        """Bytes held waiting for the rest of a frame."""

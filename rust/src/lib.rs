@@ -3,12 +3,16 @@
 //! - `codec`: sans-I/O MQTT 3.1.1 / 5.0 packet codec.
 //! - `topics`: topic validation, the subscription index and the retained-message tree.
 //! - `broker`: the sans-I/O broker engine (sessions, routing, QoS flows).
+//! - `cluster`: the inter-node wire format (frames of self-describing values).
 //! - `py`: the PyO3 module `fastbroker_core` (feature `python`).
 
 pub mod broker;
+pub mod cluster;
 pub mod codec;
 #[cfg(feature = "python")]
 mod py;
+#[cfg(feature = "python")]
+mod py_cluster;
 #[cfg(feature = "python")]
 mod py_codec;
 pub mod store;

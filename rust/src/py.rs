@@ -195,5 +195,6 @@ fn fastbroker_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<PyEngine>()?;
     crate::py_codec::register(m)?;
+    crate::py_cluster::register(m)?;
     Ok(())
 }
