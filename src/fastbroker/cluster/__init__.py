@@ -1,0 +1,1 @@
+"""Clustering: discovery, transport, membership by consensus and the partition map."""
