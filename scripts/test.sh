@@ -43,6 +43,8 @@ missing_packages=()
 command -v mosquitto >/dev/null || missing_packages+=(mosquitto)
 command -v mosquitto_pub >/dev/null || missing_packages+=(mosquitto-clients)
 command -v strace >/dev/null || missing_packages+=(strace)
+# `ip netns`: the multicast discovery tests run nodes inside network namespaces.
+command -v ip >/dev/null || missing_packages+=(iproute2)
 # Debian's Python creates venvs only with python3-venv (which provides ensurepip).
 "$PYTHON" -c 'import ensurepip' 2>/dev/null || missing_packages+=(python3-venv)
 if ((${#missing_packages[@]})); then

@@ -8,6 +8,7 @@ from typing import Any, NoReturn
 import click
 
 from fastbroker import __version__
+from fastbroker.cluster.transport import parse_address
 from fastbroker.config import LOG_LEVELS, ConfigError, load_config
 
 EXIT_STARTUP_ERROR = 1
@@ -45,18 +46,70 @@ def main() -> None:
     type=click.Path(file_okay=False, path_type=Path),
     help="Data directory, created if missing (overrides [storage] data_dir).",
 )
+@click.option("--node-id", help="This node's id in a cluster (overrides [cluster] node_id).")
+@click.option(
+    "--cluster-listen",
+    metavar="HOST:PORT",
+    help="Address for links from other nodes (overrides [cluster] listen).",
+)
+@click.option(
+    "--advertise",
+    metavar="HOST:PORT",
+    help="Address other nodes dial (overrides [cluster] advertise; default: --cluster-listen).",
+)
+@click.option(
+    "--join",
+    metavar="HOST:PORT[,HOST:PORT...]",
+    help="Static seed nodes (overrides [cluster] join).",
+)
+@click.option(
+    "--discovery",
+    metavar="SPEC",
+    help="multicast[:GROUP:PORT], file:PATH, dns:NAME or python:MODULE:FACTORY "
+    "(overrides [cluster] discovery).",
+)
+@click.option(
+    "--admin",
+    "admin_listen",
+    metavar="HOST:PORT",
+    help="Admin HTTP endpoint (overrides [admin] host and port, and turns it on).",
+)
 def run(
     host: str | None,
     port: int | None,
     config_path: Path | None,
     log_level: str | None,
     data_dir: Path | None,
+    node_id: str | None,
+    cluster_listen: str | None,
+    advertise: str | None,
+    join: str | None,
+    discovery: str | None,
+    admin_listen: str | None,
 ) -> None:
     """Run the broker until SIGTERM or SIGINT."""
+    admin_host = admin_port = None
+    if admin_listen is not None:
+        try:
+            admin_host, admin_port = parse_address(admin_listen, allow_any_port=True)
+        except ValueError as error:
+            fail(f"--admin: {error}", EXIT_CONFIG_ERROR)
     overrides: dict[str, dict[str, Any]] = {
         "listener": {"host": host, "port": port},
         "log": {"level": log_level},
         "storage": {"data_dir": str(data_dir) if data_dir is not None else None},
+        "cluster": {
+            "node_id": node_id,
+            "listen": cluster_listen,
+            "advertise": advertise,
+            "join": join,
+            "discovery": discovery,
+        },
+        "admin": {
+            "host": admin_host,
+            "port": admin_port,
+            "enabled": True if admin_listen is not None else None,
+        },
     }
     try:
         config = load_config(config_path, overrides)
@@ -78,3 +131,111 @@ def run(
     except KeyboardInterrupt:
         # SIGINT before the signal handlers are installed: nothing to clean up yet.
         pass
+
+
+DEFAULT_ADMIN = "127.0.0.1:18830"
+
+
+@main.group()
+def cluster() -> None:
+    """Inspect and change the cluster through a node's admin endpoint."""
+
+
+def admin_request(admin: str, method: str, path: str, timeout: float) -> Any:
+    import json
+    import urllib.error
+    import urllib.request
+
+    try:
+        host, port = parse_address(admin)
+    except ValueError as error:
+        fail(f"--admin: {error}", EXIT_CONFIG_ERROR)
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}{path}"
+    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        try:
+            return json.loads(error.read())
+        except ValueError:
+            fail(f"{url}: HTTP {error.code}", EXIT_STARTUP_ERROR)
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        reason = getattr(error, "reason", error)
+        fail(f"cannot reach the admin endpoint {url}: {reason}", EXIT_STARTUP_ERROR)
+
+
+def ranges(numbers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5': partition lists stay readable."""
+    parts: list[str] = []
+    start = prev = None
+    for n in numbers:
+        if prev is not None and n == prev + 1:
+            prev = n
+            continue
+        if start is not None:
+            parts.append(f"{start}-{prev}" if start != prev else str(start))
+        start = prev = n
+    if start is not None:
+        parts.append(f"{start}-{prev}" if start != prev else str(start))
+    return ",".join(parts) or "-"
+
+
+@cluster.command()
+@click.option("--admin", default=DEFAULT_ADMIN, show_default=True, metavar="HOST:PORT")
+@click.option("--json", "as_json", is_flag=True, help="Print the endpoint's JSON as is.")
+@click.option("--partitions", is_flag=True, help="List the partitions each member holds.")
+def status(admin: str, as_json: bool, partitions: bool) -> None:
+    """Members, their state, the partitions they hold and the map version."""
+    import json
+
+    data = admin_request(admin, "GET", "/cluster/status", 5.0)
+    if as_json:
+        click.echo(json.dumps(data, indent=1))
+        return
+    if data.get("standalone"):
+        click.echo("standalone broker (no [cluster] node_id)")
+        return
+    raft = data.get("raft", {})
+    if data.get("cluster_id") is None:
+        click.echo(f"node {data['node_id']}: not in a cluster yet (discovering, joining)")
+        return
+    click.echo(
+        f"cluster {data['cluster_name']} ({data['cluster_id']}): map version "
+        f"{data['map_version']}, {data['partitions']} partitions, replication factor "
+        f"{data['replication_factor']}"
+    )
+    pending = ", a membership change is in progress" if data.get("pending_change") else ""
+    click.echo(
+        f"asked node {data['node_id']}: {raft.get('role')}, term {raft.get('term')}, "
+        f"leader {data.get('leader') or 'unknown'}{pending}"
+    )
+    rows = [("NODE", "ADDRESS", "STATE", "ROLE", "PRIMARY", "FOLLOWER")]
+    for m in data["members"]:
+        rows.append(
+            (
+                m["node_id"],
+                m["address"],
+                m["state"],
+                "leader" if m["leader"] else "follower",
+                str(len(m["primary"])),
+                str(len(m["follower"])),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    if partitions:
+        for m in data["members"]:
+            click.echo(f"{m['node_id']}: primary {ranges(m['primary'])}")
+            click.echo(f"{' ' * len(m['node_id'])}  follower {ranges(m['follower'])}")
+
+
+@cluster.command()
+@click.option("--admin", default=DEFAULT_ADMIN, show_default=True, metavar="HOST:PORT")
+def leave(admin: str) -> None:
+    """Remove the node behind --admin from the cluster, then stop it."""
+    data = admin_request(admin, "POST", "/cluster/leave", 15.0)
+    if not data.get("left"):
+        fail(f"the node did not leave: {data.get('error', 'no majority agreed in time')}", 1)
+    click.echo("left the cluster; the node is stopping")

@@ -62,11 +62,53 @@ class SysConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    # Empty: a standalone broker. Set: this node's id in the cluster, stable across restarts.
+    node_id: str = ""
+    # Address other nodes connect to ("host:port"); advertise is what they are told to dial
+    # (defaults to listen, which must then not be a wildcard address).
+    listen: str = "127.0.0.1:7883"
+    advertise: str = ""
+    # Nodes only link with nodes of the same name that hold the same secret.
+    name: str = "fastbroker"
+    secret: str = ""
+    secret_file: str = ""
+    # Static seeds, and/or one discovery provider spec (fastbroker.cluster.discovery).
+    join: tuple[str, ...] = ()
+    discovery: str = ""
+    # A fresh node founds a new cluster only when this many fresh nodes (itself included)
+    # see each other and none is in a cluster yet; the smallest node id founds it.
+    bootstrap_expect: int = 1
+    # Fixed when the cluster is founded; later values are ignored (the agreed ones win).
+    partitions: int = 256
+    replication_factor: int = 2
+    heartbeat_ms: int = 150
+    # Elections start after a random silence between this and twice this.
+    election_timeout_ms: int = 1000
+    # A member the leader has not heard from for this long is removed from the map.
+    failure_timeout_ms: int = 5000
+    discovery_interval_ms: int = 1000
+    # Lets the admin endpoint cut links to chosen nodes (split tests); never in production.
+    fault_injection: bool = False
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    # HTTP admin endpoint (/cluster/status, /health); port 0 picks a free one. Unset: on for a
+    # cluster node, off for a standalone broker (which has nothing to administer there yet).
+    enabled: bool | None = None
+    host: str = "127.0.0.1"
+    port: int = 18830
+
+
+@dataclass(frozen=True)
 class Config:
     listener: ListenerConfig = field(default_factory=ListenerConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     log: LogConfig = field(default_factory=LogConfig)
     sys: SysConfig = field(default_factory=SysConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
     # Only the keys the file sets; the engine supplies the defaults of the rest.
     mqtt: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     # The file the config came from, or None for built-in defaults.
@@ -118,6 +160,64 @@ def one_of(*choices: str) -> Check:
     return check
 
 
+def boolean(value: Any) -> bool:
+    if type(value) is not bool:
+        raise ValueError("expected true or false")
+    return value
+
+
+def node_id(value: Any) -> str:
+    # Empty: a standalone broker.
+    if (
+        type(value) is not str
+        or len(value) > 64
+        or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in value)
+    ):
+        raise ValueError("expected 1-64 letters, digits, '-', '_' or '.' (empty: standalone)")
+    return value
+
+
+def any_string(value: Any) -> str:
+    if type(value) is not str:
+        raise ValueError("expected a string")
+    return value
+
+
+def address(value: Any) -> str:
+    from fastbroker.cluster.transport import parse_address
+
+    if type(value) is not str:
+        raise ValueError("expected HOST:PORT")
+    parse_address(value)
+    return value
+
+
+def optional_address(value: Any) -> str:
+    return value if value == "" else address(value)
+
+
+def listen_address(value: Any) -> str:
+    from fastbroker.cluster.transport import parse_address
+
+    if type(value) is not str:
+        raise ValueError("expected HOST:PORT")
+    parse_address(value, allow_any_port=True)
+    return value
+
+
+def address_list(value: Any) -> tuple[str, ...]:
+    from fastbroker.cluster.transport import parse_address
+
+    # The command line gives one comma-separated string; TOML a list.
+    items = value.split(",") if type(value) is str else value
+    if not isinstance(items, list | tuple) or not all(type(i) is str for i in items):
+        raise ValueError("expected a list of HOST:PORT strings")
+    items = [i.strip() for i in items if i.strip()]
+    for item in items:
+        parse_address(item)
+    return tuple(items)
+
+
 def log_level(value: Any) -> str:
     if type(value) is not str or value.lower() not in LOG_LEVELS:
         raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}")
@@ -138,6 +238,25 @@ SCHEMA: dict[str, dict[str, Check]] = {
     },
     "log": {"level": log_level},
     "sys": {"interval": number(0)},
+    "cluster": {
+        "node_id": node_id,
+        "listen": listen_address,
+        "advertise": optional_address,
+        "name": nonempty_string,
+        "secret": any_string,
+        "secret_file": nonempty_string,
+        "join": address_list,
+        "discovery": any_string,
+        "bootstrap_expect": integer(1, 1000),
+        "partitions": integer(1, 65536),
+        "replication_factor": integer(1, 16),
+        "heartbeat_ms": integer(10, 60_000),
+        "election_timeout_ms": integer(50, 600_000),
+        "failure_timeout_ms": integer(100, 86_400_000),
+        "discovery_interval_ms": integer(100, 600_000),
+        "fault_injection": boolean,
+    },
+    "admin": {"enabled": boolean, "host": host_name, "port": integer(0, U16_MAX)},
     # Handed to fastbroker_core.Engine as is, which checks it (check_mqtt): one set of rules.
     "mqtt": {},
 }
@@ -147,6 +266,8 @@ SECTION_TYPES: dict[str, type] = {
     "storage": StorageConfig,
     "log": LogConfig,
     "sys": SysConfig,
+    "cluster": ClusterConfig,
+    "admin": AdminConfig,
 }
 
 
@@ -171,6 +292,7 @@ def load_config(
         table: section_type(**sections.get(table, {}))
         for table, section_type in SECTION_TYPES.items()
     }
+    check_cluster(settings["cluster"], source or "<defaults>")
     return Config(**settings, mqtt=MappingProxyType(dict(sections.get("mqtt", {}))), source=source)
 
 
@@ -213,6 +335,28 @@ def validate_tables(tables: Mapping[str, Any], source: str) -> dict[str, dict[st
                 ) from None
         sections[table] = checked
     return sections
+
+
+def check_cluster(cluster: ClusterConfig, source: str) -> None:
+    """Rules between [cluster] keys; only for a node that is in a cluster."""
+    if not cluster.node_id:
+        return
+    from fastbroker.cluster.transport import parse_address
+
+    problem = None
+    if cluster.election_timeout_ms < 2 * cluster.heartbeat_ms:
+        problem = "election_timeout_ms must be at least twice heartbeat_ms"
+    elif cluster.failure_timeout_ms < 2 * cluster.election_timeout_ms:
+        problem = "failure_timeout_ms must be at least twice election_timeout_ms"
+    elif cluster.secret and cluster.secret_file:
+        problem = "set secret or secret_file, not both"
+    elif not cluster.advertise and parse_address(cluster.listen, allow_any_port=True)[0] in (
+        "0.0.0.0",
+        "::",
+    ):
+        problem = "listen is a wildcard address: set advertise to the address peers dial"
+    if problem is not None:
+        raise ConfigError(f"{source}: [cluster] {problem}")
 
 
 ENGINE_OWN_KEYS = frozenset({"version", "durable", "compress_above"})

@@ -17,6 +17,7 @@ import uvloop
 
 from fastbroker import __version__
 from fastbroker._connection import Server, monotonic_ms
+from fastbroker.admin import AdminServer, parse_json_body
 from fastbroker.config import Config, ConfigError
 from fastbroker.heap import HeapTrimmer
 from fastbroker.store import Store, StoreError
@@ -186,9 +187,17 @@ async def run_server(
 ) -> None:
     loop = asyncio.get_running_loop()
     host, port = config.listener.host, config.listener.port
+    stop_requested = asyncio.Event()
+    # Before serving clients: a cluster or admin port in use stops the broker at startup.
+    cluster = await start_cluster(config, loop)
+    try:
+        admin = await start_admin(config, cluster, stop_requested)
+    except StartupError:
+        if cluster is not None:
+            await cluster.stop()
+        raise
     await listener.start_serving()
 
-    stop_requested = asyncio.Event()
     # Installed before the "listening" line, so a signal sent on seeing it is always handled.
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop_requested.set)
@@ -207,6 +216,10 @@ async def run_server(
     await stop_requested.wait()
     logger.info("shutting down")
     listener.close()
+    if admin is not None:
+        await admin.stop()
+    if cluster is not None:
+        await cluster.stop()
     sys_topics.stop()
     heap_trimmer.stop()
     await close_connections(server)
@@ -214,6 +227,92 @@ async def run_server(
     server.stop_syncing()
     await listener.wait_closed()
     logger.info("stopped")
+
+
+def cluster_secret(config: Config) -> str:
+    settings = config.cluster
+    if not settings.secret_file:
+        if not settings.secret:
+            logger.warning(
+                "[cluster] has no secret: any process that knows the cluster name can join"
+            )
+        return settings.secret
+    try:
+        with open(settings.secret_file, encoding="utf-8") as file:
+            secret = file.read().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise StartupError(f"cannot read [cluster] secret_file: {error}") from None
+    if not secret:
+        raise StartupError(f"[cluster] secret_file {settings.secret_file} is empty")
+    return secret
+
+
+async def start_cluster(config: Config, loop: asyncio.AbstractEventLoop) -> Any:
+    """The cluster node, or None for a standalone broker."""
+    if not config.cluster.node_id:
+        return None
+    # Imported here: a standalone broker loads none of the cluster code.
+    import dataclasses
+
+    from fastbroker.cluster.node import ClusterNode, ClusterStartupError
+
+    settings = dataclasses.replace(config.cluster, secret=cluster_secret(config), secret_file="")
+    node = ClusterNode(settings, config.storage.data_dir, loop)
+    try:
+        await node.start()
+    except ClusterStartupError as error:
+        await node.stop()
+        raise StartupError(str(error)) from None
+    return node
+
+
+async def start_admin(
+    config: Config, cluster: Any, stop_requested: asyncio.Event
+) -> AdminServer | None:
+    enabled = config.admin.enabled
+    if not (enabled if enabled is not None else cluster is not None):
+        return None
+
+    async def handle(method: str, path: str, body: bytes) -> tuple[int, Any]:
+        if path == "/health":
+            return (200, "ok\n") if method == "GET" else (405, {"error": "use GET"})
+        if path == "/cluster/status":
+            if method != "GET":
+                return 405, {"error": "use GET"}
+            if cluster is None:
+                return 200, {"node_id": None, "standalone": True, "members": []}
+            return 200, cluster.status()
+        if path == "/cluster/leave":
+            if method != "POST":
+                return 405, {"error": "use POST"}
+            if cluster is None:
+                return 400, {"error": "this broker is standalone"}
+            left = await cluster.leave()
+            if left:
+                # Leaving ends the node: its partitions now live elsewhere.
+                asyncio.get_running_loop().call_later(0.2, stop_requested.set)
+            return (200 if left else 503), {"left": left}
+        if path == "/debug/block":
+            if cluster is None or not config.cluster.fault_injection:
+                return 404, {"error": "fault injection is off ([cluster] fault_injection)"}
+            request = parse_json_body(body)
+            nodes = request.get("nodes") if isinstance(request, dict) else None
+            if method != "POST" or not isinstance(nodes, list):
+                return 400, {"error": 'POST {"nodes": [node ids]}'}
+            cluster.transport.block({str(n) for n in nodes})
+            return 200, {"blocked": sorted(cluster.transport.blocked)}
+        return 404, {"error": f"no such path {path}"}
+
+    admin = AdminServer(handle)
+    host, port = config.admin.host, config.admin.port
+    try:
+        bound = await admin.start(host, port)
+    except OSError as error:
+        address = format_address(host, port)
+        reason = os_error_reason(error)
+        raise StartupError(f"cannot listen for admin on {address}: {reason}") from None
+    logger.info("admin endpoint on http://%s/", format_address(*bound[:2]))
+    return admin
 
 
 async def close_connections(server: Server) -> None:

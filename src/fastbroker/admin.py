@@ -1,0 +1,118 @@
+"""The admin HTTP endpoint: JSON for operators and tools, on its own port.
+
+A few fixed routes, so a small HTTP/1.1 server on asyncio streams does (no web framework
+dependency): one request per connection, bounded sizes and a deadline so a slow or hostile
+client cannot hold it.
+
+  GET  /health          200 "ok" while the process serves
+  GET  /cluster/status  members, their state, partitions held, map version (JSON)
+  POST /cluster/leave   this node leaves the cluster, then stops (JSON result)
+  POST /debug/block     {"nodes": [...]}: cut links to those nodes; [] heals. Only with
+                        [cluster] fault_injection = true (tests of network splits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+logger = logging.getLogger("fastbroker.admin")
+
+MAX_HEADER = 16 * 1024
+MAX_BODY = 64 * 1024
+REQUEST_DEADLINE_S = 5.0
+
+# (method, path, body) -> (status, JSON-able body)
+Handler = Callable[[str, str, bytes], Awaitable[tuple[int, Any]]]
+
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    413: "Payload Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
+
+
+class AdminServer:
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        self.server = await asyncio.start_server(self.serve, host, port, limit=MAX_HEADER)
+        bound = self.server.sockets[0].getsockname()
+        return bound[0], bound[1]
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(self.read_request(reader), REQUEST_DEADLINE_S)
+            if isinstance(request, tuple) and len(request) == 3:
+                # Not under the read deadline: some actions (leaving) take longer.
+                status, body = await self.handler(*request)
+            else:
+                status, body = request
+        except TimeoutError:
+            status, body = 408, {"error": "request not received in time"}
+        except Exception:
+            logger.exception("admin request failed")
+            status, body = 500, {"error": "internal error"}
+        data = (body if isinstance(body, str) else json.dumps(body, indent=1) + "\n").encode()
+        content_type = "text/plain" if isinstance(body, str) else "application/json"
+        head = (
+            f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\n"
+            f"Content-Type: {content_type}\r\nContent-Length: {len(data)}\r\n"
+            "Connection: close\r\n\r\n"
+        )
+        try:
+            writer.write(head.encode() + data)
+            await asyncio.wait_for(writer.drain(), REQUEST_DEADLINE_S)
+        except (OSError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    async def read_request(
+        self, reader: asyncio.StreamReader
+    ) -> tuple[str, str, bytes] | tuple[int, Any]:
+        """(method, path, body), or (status, error body) for a bad request."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError:
+            return 413, {"error": "request header too large"}
+        except asyncio.IncompleteReadError:
+            return 400, {"error": "incomplete request"}
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            return 400, {"error": "bad request line"}
+        method, target = parts[0], parts[1]
+        length = 0
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "content-length":
+                if not value.strip().isdigit():
+                    return 400, {"error": "bad Content-Length"}
+                length = int(value.strip())
+        if length > MAX_BODY:
+            return 413, {"error": "request body too large"}
+        body = await reader.readexactly(length) if length else b""
+        return method, target.split("?", 1)[0], body
+
+
+def parse_json_body(body: bytes) -> Any:
+    try:
+        return json.loads(body or b"{}")
+    except (ValueError, UnicodeDecodeError):
+        return None

@@ -1,0 +1,701 @@
+"""A cluster node's control plane: Raft on membership, joining and leaving, failure detection,
+discovery, and the partition map every node derives from the agreed membership.
+
+It runs beside the MQTT engine and never blocks it: consensus traffic happens only when the
+membership changes, plus small heartbeats. A node that loses the majority keeps its last
+agreed map and keeps serving its clients; changes wait until a majority is back.
+
+How a node finds its cluster (`tick_membership`):
+- it has no agreed config yet (a fresh data directory): if a linked peer is in a cluster, it
+  asks that cluster's leader to add it (JOIN); if no peer is, and at least `bootstrap_expect`
+  fresh nodes see each other, the smallest node id founds a one-member cluster and the others
+  then join it one at a time (single-server changes, see docs/consensus.md);
+- it has one, but a peer of the same cluster reports a newer map without it (it was removed
+  while cut off, or it left): it asks to join again.
+The leader removes members it has not heard from for `failure_timeout_ms`, one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fastbroker_core
+import xxhash
+
+from fastbroker.cluster.discovery import DiscoveryProvider, LocalNode, parse_discovery
+from fastbroker.cluster.partitions import PartitionMap, compute_map, moved
+from fastbroker.cluster.raft import ClusterConfig, PersistentState, Raft
+from fastbroker.cluster.transport import Transport, format_address, parse_address
+
+logger = logging.getLogger("fastbroker.cluster")
+
+# Frame kinds of the node's messages (the transport's own are below 16).
+RAFT = 16
+PING = 17
+JOIN = 18
+JOIN_REPLY = 19
+LEAVE = 20
+
+TICK_S = 0.05
+# A fresh node waits this long for its peers' pings before it may found a cluster, so a node
+# joining a running cluster learns of it first.
+BOOTSTRAP_GRACE_S = 2.0
+JOIN_RETRY_S = 0.5
+
+STATE_FILE = "raft-state"
+NODE_FILE = "node-id"
+
+
+class ClusterStartupError(Exception):
+    """The node cannot take part in a cluster (bad data directory, node id mismatch)."""
+
+
+def monotonic_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
+class StateFile:
+    """The Raft state on disk: [xxh3-64 of body][body], replaced atomically (write, fsync,
+    rename, fsync dir) so a crash leaves the old or the new state, never a mix."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.path = directory / STATE_FILE
+
+    def load(self) -> PersistentState | None:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            raise ClusterStartupError(f"cannot read {self.path}: {error.strerror}") from None
+        body = data[8:]
+        if len(data) < 8 or xxhash.xxh3_64_digest(body) != data[:8]:
+            raise ClusterStartupError(
+                f"{self.path} is damaged (checksum mismatch); to bring this node back, move "
+                "the data directory away and start it with a new node id (an id must never "
+                "come back without its state: its old votes could be counted twice)"
+            )
+        try:
+            return PersistentState.from_wire(fastbroker_core.decode_value(body))
+        except (ValueError, TypeError, KeyError, IndexError) as error:
+            raise ClusterStartupError(f"{self.path} is damaged: {error}") from None
+
+    def save(self, state: PersistentState) -> None:
+        body = fastbroker_core.encode_value(state.to_wire())
+        tmp = self.path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, xxhash.xxh3_64_digest(body) + body)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        dir_fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def check_node_id(directory: Path, node_id: str) -> None:
+    """A data directory belongs to one node id for life: its Raft state is that node's."""
+    path = directory / NODE_FILE
+    try:
+        stored = path.read_text().strip()
+    except FileNotFoundError:
+        try:
+            path.write_text(node_id + "\n")
+        except OSError as error:
+            raise ClusterStartupError(f"cannot write {path}: {error.strerror}") from None
+        return
+    except (OSError, UnicodeDecodeError) as error:
+        raise ClusterStartupError(f"cannot read {path}: {error}") from None
+    if stored != node_id:
+        raise ClusterStartupError(
+            f"the data directory belongs to node {stored!r}, not {node_id!r}: use --node-id "
+            f"{stored} or another --data-dir"
+        )
+
+
+class PeerView:
+    """What this node last heard from another node's ping."""
+
+    __slots__ = ("address", "cluster_id", "config_index", "last_seen", "leader", "member_ids")
+
+    def __init__(self) -> None:
+        self.last_seen = 0
+        self.address: str | None = None
+        self.cluster_id: str | None = None
+        self.config_index = 0
+        self.leader: str | None = None
+        self.member_ids: tuple[str, ...] = ()
+
+
+class ClusterNode:
+    def __init__(self, settings: Any, data_dir: str, loop: asyncio.AbstractEventLoop) -> None:
+        """`settings` is fastbroker.config.ClusterConfig."""
+        self.settings = settings
+        self.loop = loop
+        self.node_id: str = settings.node_id
+        self.listen = parse_address(settings.listen, allow_any_port=True)
+        self.advertise = settings.advertise or settings.listen
+        self.directory = Path(data_dir) / "cluster"
+        self.state_file = StateFile(self.directory)
+        self.secret = settings.secret.encode()
+        self.seeds = {parse_address(s, self.listen[1]) for s in settings.join}
+        self.discovery: DiscoveryProvider | None = None
+        self.discovered: set[tuple[str, int]] = set()
+        self.peers: dict[str, PeerView] = {}
+        self.raft: Raft | None = None
+        self.map: PartitionMap = compute_map([], settings.partitions, settings.replication_factor)
+        self.map_changed_at = 0
+        self.started_ms = monotonic_ms()
+        self.last_join_attempt = 0
+        self.last_ping = 0
+        self.leaving = False
+        self.leader_term = -1
+        self.last_seed_warning = 0
+        self.leader_started = 0
+        self.warned_clusters: set[str] = set()
+        self.left = asyncio.Event()
+        self.tick_task: asyncio.Task[None] | None = None
+        self.discovery_task: asyncio.Task[None] | None = None
+        self.transport = Transport(
+            loop,
+            node_id=self.node_id,
+            cluster_name=settings.name,
+            secret=self.secret,
+            advertise=self.advertise,
+            on_message=self.on_message,
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ClusterStartupError(f"cannot create {self.directory}: {error.strerror}") from None
+        check_node_id(self.directory, self.node_id)
+        state = self.state_file.load()
+        now = monotonic_ms()
+        # Seeded from the node id and the clock: election timeouts differ between nodes.
+        rng = random.Random(f"{self.node_id}-{time.time_ns()}")
+        timeout = self.settings.election_timeout_ms
+        self.raft = Raft(
+            self.node_id,
+            now,
+            state=state,
+            rng=rng,
+            election_timeout_ms=(timeout, 2 * timeout),
+            heartbeat_ms=self.settings.heartbeat_ms,
+        )
+        self.update_map(now)
+        if self.settings.discovery:
+            try:
+                self.discovery = parse_discovery(
+                    self.settings.discovery, default_port=self.listen[1], secret=self.secret
+                )
+            except ValueError as error:
+                raise ClusterStartupError(f"[cluster] discovery: {error}") from None
+        host, port = self.listen
+        try:
+            bound = await self.transport.listen(host, port)
+        except OSError as error:
+            raise ClusterStartupError(
+                f"cannot listen for cluster links on {format_address(self.listen)}: "
+                f"{os.strerror(error.errno) if error.errno else error}"
+            ) from None
+        if not self.settings.advertise and port == 0:
+            # An ephemeral port: tell peers the one we got.
+            self.listen = (host, bound[1])
+            self.advertise = format_address(self.listen)
+            self.transport.advertise = self.advertise
+        if self.discovery is not None:
+            advertised = parse_address(self.advertise)
+            try:
+                await self.discovery.start(LocalNode(self.node_id, self.settings.name, advertised))
+            except OSError as error:
+                await self.transport.close()
+                raise ClusterStartupError(str(error)) from None
+            self.discovery_task = self.loop.create_task(self.poll_discovery())
+        logger.info(
+            "cluster node %s listening on %s (advertised as %s)%s",
+            self.node_id,
+            format_address(self.listen),
+            self.advertise,
+            f", member of cluster {self.cluster_id()} with map version {self.map.version}"
+            if self.raft.committed_config
+            else "",
+        )
+        self.tick_task = self.loop.create_task(self.run_ticks())
+
+    async def stop(self) -> None:
+        for task in (self.tick_task, self.discovery_task):
+            if task is not None:
+                task.cancel()
+        if self.discovery is not None:
+            await self.discovery.stop()
+        await self.transport.close()
+
+    async def run_ticks(self) -> None:
+        while True:
+            try:
+                self.tick(monotonic_ms())
+            except Exception:
+                # The control plane must survive its own bugs: the MQTT side keeps serving.
+                logger.exception("cluster tick failed")
+            await asyncio.sleep(TICK_S)
+
+    async def poll_discovery(self) -> None:
+        assert self.discovery is not None
+        interval = self.settings.discovery_interval_ms / 1000
+        while True:
+            try:
+                self.discovered = set(await self.discovery.peers())
+            except Exception:
+                logger.exception("discovery provider failed")
+            await asyncio.sleep(interval)
+
+    # -- the tick --------------------------------------------------------------------------
+
+    def tick(self, now: int) -> None:
+        raft = self.raft
+        assert raft is not None
+        raft.tick(now)
+        self.after_raft_step(now)
+        self.tick_membership(now)
+        if now - self.last_ping >= self.settings.heartbeat_ms:
+            self.last_ping = now
+            self.send_pings(now)
+        self.transport.set_targets(self.link_targets())
+        self.transport.maintain()
+
+    def link_targets(self) -> set[tuple[str, int]]:
+        targets = set(self.seeds) | self.discovered
+        raft = self.raft
+        assert raft is not None
+        config = raft.latest_config
+        if config is not None:
+            for member, address in config.members:
+                if member != self.node_id:
+                    try:
+                        targets.add(parse_address(address))
+                    except ValueError:
+                        logger.warning("member %s has a bad address %r", member, address)
+        targets.discard(parse_address(self.advertise))
+        targets.discard(self.listen)
+        return targets
+
+    def after_raft_step(self, now: int) -> None:
+        """Persists Raft's state, then sends its messages (never the other way round: a vote
+        or an acknowledgement must survive a crash once it has been sent)."""
+        raft = self.raft
+        assert raft is not None
+        state = raft.take_persistent_state()
+        if state is not None:
+            try:
+                self.state_file.save(state)
+            except OSError as error:
+                # Without durable state sending would break Raft's promises: stay silent.
+                logger.error("cannot save the cluster state: %s; retrying", error)
+                raft.take_messages()
+                return
+        for destination, message in raft.take_messages():
+            self.transport.send(destination, RAFT, message)
+        if raft.committed_config_index != self.map.version or (
+            raft.committed_config is not None and not self.map.members
+        ):
+            self.update_map(now)
+
+    def update_map(self, now: int) -> None:
+        raft = self.raft
+        assert raft is not None
+        config = raft.committed_config
+        if config is None:
+            return
+        new = compute_map(
+            config.member_ids(),
+            config.partitions,
+            config.replication_factor,
+            version=raft.committed_config_index,
+        )
+        old = self.map
+        self.map = new
+        self.map_changed_at = now
+        if old.members != new.members:
+            logger.info(
+                "partition map version %d: members %s (%s)",
+                new.version,
+                ", ".join(new.members),
+                ", ".join(f"{k} {v}" for k, v in moved(old, new).items()) if old.members else "new",
+            )
+        if self.leaving and self.node_id not in new.members:
+            self.left.set()
+
+    # -- membership ------------------------------------------------------------------------
+
+    def cluster_id(self) -> str | None:
+        raft = self.raft
+        config = raft.latest_config if raft is not None else None
+        return config.cluster_id if config is not None else None
+
+    def is_member(self) -> bool:
+        raft = self.raft
+        assert raft is not None
+        config = raft.latest_config
+        return config is not None and self.node_id in config.member_ids()
+
+    def tick_membership(self, now: int) -> None:
+        raft = self.raft
+        assert raft is not None
+        if raft.role == "leader":
+            self.detect_failures(now)
+            return
+        if self.leaving:
+            return
+        if now - self.last_join_attempt < JOIN_RETRY_S * 1000:
+            return
+        config = raft.latest_config
+        if config is None:
+            in_cluster = [p for p, v in self.peers.items() if v.cluster_id is not None]
+            if in_cluster:
+                self.last_join_attempt = now
+                self.ask_to_join(in_cluster)
+            else:
+                self.maybe_bootstrap(now)
+            return
+        live = self.live_peers(now)
+        if not self.is_member():
+            # Restarted after leaving, or removed while running: come back.
+            candidates = live
+        else:
+            # Removed while cut off: peers of our cluster know a newer map without us.
+            candidates = self.removed_by(live)
+        if candidates:
+            self.last_join_attempt = now
+            self.ask_to_join(candidates)
+
+    def live_peers(self, now: int) -> list[str]:
+        """Peers of our cluster heard from lately."""
+        own = self.cluster_id()
+        recent = 3 * self.settings.heartbeat_ms + 1000
+        return [
+            p
+            for p, v in self.peers.items()
+            if v.cluster_id == own and own is not None and now - v.last_seen < recent
+        ]
+
+    def removed_by(self, peers: list[str]) -> list[str]:
+        """Those of `peers` whose agreed map is newer than ours and lacks this node. (A removed
+        node never hears of its removal through Raft: the leader stops replicating to it.)"""
+        raft = self.raft
+        assert raft is not None
+        return [
+            p
+            for p in peers
+            if self.peers[p].config_index > raft.committed_config_index
+            and self.node_id not in self.peers[p].member_ids
+        ]
+
+    def ask_to_join(self, candidates: list[str]) -> None:
+        # The leader they name if we have a link to it, else any of them (which answers with
+        # the leader's address).
+        leaders = {self.peers[p].leader for p in candidates} - {None}
+        target = next((leader for leader in leaders if leader in self.transport.links), None)
+        target = target or candidates[0]
+        logger.info("asking %s to add this node to the cluster", target)
+        self.transport.send(target, JOIN, {"node": self.node_id, "address": self.advertise})
+
+    def maybe_bootstrap(self, now: int) -> None:
+        if now - self.started_ms < BOOTSTRAP_GRACE_S * 1000:
+            return
+        # A node given seeds founds nothing while a seed is out of reach: that seed may be
+        # the cluster it is meant to join (started later, or restarting).
+        links = self.transport.links
+        own = {parse_address(self.advertise), self.listen}
+        unreached = [a for a in self.seeds - own if self.transport.address_ids.get(a) not in links]
+        if unreached:
+            if now - self.last_seed_warning > 10_000:
+                self.last_seed_warning = now
+                logger.info(
+                    "waiting for seeds %s before forming a cluster",
+                    ", ".join(format_address(a) for a in unreached),
+                )
+            return
+        linked = self.transport.connected()
+        if any(p not in self.peers for p in linked):
+            # A peer we have not heard from yet may be in a cluster already.
+            return
+        fresh = {p for p in linked if self.peers[p].cluster_id is None}
+        fresh.add(self.node_id)
+        if len(fresh) < self.settings.bootstrap_expect or min(fresh) != self.node_id:
+            return
+        raft = self.raft
+        assert raft is not None
+        config = ClusterConfig(
+            members=((self.node_id, self.advertise),),
+            partitions=self.settings.partitions,
+            replication_factor=self.settings.replication_factor,
+            cluster_id=uuid.uuid4().hex,
+        )
+        logger.info(
+            "founding cluster %s (%d partitions, replication factor %d); %d fresh nodes in view",
+            config.cluster_id,
+            config.partitions,
+            config.replication_factor,
+            len(fresh),
+        )
+        raft.bootstrap(config, now)
+        self.after_raft_step(now)
+
+    def detect_failures(self, now: int) -> None:
+        raft = self.raft
+        assert raft is not None
+        config = raft.latest_config
+        if config is None:
+            return
+        timeout = self.settings.failure_timeout_ms
+        for member in config.member_ids():
+            if member == self.node_id:
+                continue
+            view = self.peers.get(member)
+            heard = max(raft.last_ack_ms(member) or 0, view.last_seen if view else 0)
+            # Counted from when this node became leader at the earliest: it cannot know more.
+            heard = max(heard, self.leader_since(now))
+            if now - heard > timeout:
+                reason = raft.propose(config.without_member(member), now)
+                if reason is None:
+                    logger.warning(
+                        "removing member %s: not heard from for %.1f s",
+                        member,
+                        (now - heard) / 1000,
+                    )
+                    self.after_raft_step(now)
+                return
+
+    def leader_since(self, now: int) -> int:
+        raft = self.raft
+        assert raft is not None
+        if self.leader_term != raft.term:
+            self.leader_term = raft.term
+            self.leader_started = now
+        return self.leader_started
+
+    def handle_join(self, sender: str, request: Any, now: int) -> None:
+        raft = self.raft
+        assert raft is not None
+        node = request.get("node") if isinstance(request, dict) else None
+        address = request.get("address") if isinstance(request, dict) else None
+        if not isinstance(node, str) or not isinstance(address, str) or node != sender:
+            return
+        config = raft.latest_config
+        if raft.role != "leader" or config is None:
+            self.transport.send(sender, JOIN_REPLY, self.leader_hint("not the leader"))
+            return
+        if config.address_of(node) == address:
+            self.transport.send(sender, JOIN_REPLY, {"ok": True})
+            return
+        # A member coming back at a new address: remove the old entry first.
+        proposed = config.without_member(node) if node in config.member_ids() else None
+        proposed = proposed or config.with_member(node, address)
+        reason = raft.propose(proposed, now)
+        if reason is None:
+            logger.info("adding %s (%s) to the cluster", node, address)
+            self.after_raft_step(now)
+        self.transport.send(
+            sender, JOIN_REPLY, {"ok": reason is None, "reason": reason or "", "retry": True}
+        )
+
+    def handle_leave(self, sender: str, request: Any, now: int) -> None:
+        raft = self.raft
+        assert raft is not None
+        config = raft.latest_config
+        if raft.role != "leader" or config is None or sender not in config.member_ids():
+            return
+        reason = raft.propose(config.without_member(sender), now)
+        if reason is None:
+            logger.info("removing %s from the cluster at its request", sender)
+            self.after_raft_step(now)
+
+    def leader_hint(self, reason: str) -> dict[str, Any]:
+        raft = self.raft
+        assert raft is not None
+        leader = raft.leader_id
+        config = raft.latest_config
+        address = config.address_of(leader) if config is not None and leader else None
+        return {"ok": False, "reason": reason, "leader": leader, "leader_address": address}
+
+    async def leave(self, timeout_s: float = 10.0) -> bool:
+        """Asks the leader to remove this node; True once the agreed map no longer has it."""
+        self.leaving = True
+        deadline = self.loop.time() + timeout_s
+        while self.loop.time() < deadline and not self.left.is_set():
+            raft = self.raft
+            assert raft is not None
+            committed = raft.committed_config
+            now = monotonic_ms()
+            if (
+                committed is None
+                or self.node_id not in committed.member_ids()
+                or self.removed_by(self.live_peers(now))
+            ):
+                self.left.set()
+                break
+            if raft.role == "leader":
+                # Raft lets a leader commit its own removal; it steps down once committed.
+                if raft.propose(committed.without_member(self.node_id), now) is None:
+                    logger.info("leaving the cluster")
+                    self.after_raft_step(now)
+            elif raft.leader_id is not None:
+                logger.info("asking the leader %s to remove this node", raft.leader_id)
+                self.transport.send(raft.leader_id, LEAVE, {"node": self.node_id})
+            try:
+                await asyncio.wait_for(self.left.wait(), 0.5)
+            except TimeoutError:
+                pass
+        return self.left.is_set()
+
+    # -- messages --------------------------------------------------------------------------
+
+    def on_message(self, sender: str, kind: int, value: Any) -> None:
+        now = monotonic_ms()
+        raft = self.raft
+        if raft is None:
+            return
+        if kind == RAFT:
+            raft.receive(sender, value, now)
+            self.after_raft_step(now)
+        elif kind == PING:
+            self.handle_ping(sender, value, now)
+        elif kind == JOIN:
+            self.handle_join(sender, value, now)
+        elif kind == JOIN_REPLY:
+            self.handle_join_reply(sender, value)
+        elif kind == LEAVE:
+            self.handle_leave(sender, value, now)
+        # Unknown kinds come from newer nodes; ignoring them keeps mixed versions working.
+
+    def send_pings(self, now: int) -> None:
+        raft = self.raft
+        assert raft is not None
+        committed = raft.committed_config
+        leader = raft.leader_id
+        latest = raft.latest_config
+        ping = {
+            "cluster_id": committed.cluster_id if committed is not None else None,
+            "config_index": raft.committed_config_index,
+            "members": list(committed.member_ids()) if committed is not None else [],
+            "leader": leader,
+            "leader_address": latest.address_of(leader) if latest is not None and leader else None,
+            "address": self.advertise,
+        }
+        for peer in self.transport.connected():
+            self.transport.send(peer, PING, ping)
+
+    def handle_ping(self, sender: str, ping: Any, now: int) -> None:
+        if not isinstance(ping, dict):
+            return
+        view = self.peers.setdefault(sender, PeerView())
+        view.last_seen = now
+        address = ping.get("address")
+        view.address = address if isinstance(address, str) else None
+        cluster_id = ping.get("cluster_id")
+        view.cluster_id = cluster_id if isinstance(cluster_id, str) else None
+        index = ping.get("config_index")
+        view.config_index = index if type(index) is int else 0
+        leader = ping.get("leader")
+        view.leader = leader if isinstance(leader, str) else None
+        members = ping.get("members")
+        view.member_ids = (
+            tuple(m for m in members if isinstance(m, str)) if isinstance(members, list) else ()
+        )
+        own = self.cluster_id()
+        if own is not None and view.cluster_id is not None and view.cluster_id != own:
+            if view.cluster_id not in self.warned_clusters:
+                self.warned_clusters.add(view.cluster_id)
+                logger.error(
+                    "node %s belongs to another cluster (%s, ours %s); clusters never merge",
+                    sender,
+                    view.cluster_id,
+                    own,
+                )
+        leader_address = ping.get("leader_address")
+        if isinstance(leader_address, str) and view.leader and view.leader != self.node_id:
+            self.note_address(leader_address)
+
+    def handle_join_reply(self, sender: str, reply: Any) -> None:
+        if not isinstance(reply, dict) or reply.get("ok"):
+            return
+        address = reply.get("leader_address")
+        if isinstance(address, str):
+            self.note_address(address)
+
+    def note_address(self, address: str) -> None:
+        try:
+            parsed = parse_address(address)
+        except ValueError:
+            return
+        if parsed != parse_address(self.advertise):
+            self.discovered.add(parsed)
+
+    # -- admin -----------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        raft = self.raft
+        assert raft is not None
+        now = monotonic_ms()
+        config = raft.committed_config
+        latest = raft.latest_config
+        members = []
+        if config is not None:
+            for member, address in config.members:
+                view = self.peers.get(member)
+                seen: int | None = None
+                if member == self.node_id:
+                    state = "self"
+                    seen = 0
+                elif member in self.transport.links and view is not None:
+                    seen = now - view.last_seen
+                    state = "alive" if seen < self.settings.failure_timeout_ms else "suspect"
+                else:
+                    seen = now - view.last_seen if view is not None and view.last_seen else None
+                    state = "unreachable"
+                members.append(
+                    {
+                        "node_id": member,
+                        "address": address,
+                        "state": state,
+                        "last_seen_ms": seen,
+                        "leader": member == raft.leader_id,
+                        "primary": self.map.primaries_of(member),
+                        "follower": self.map.followers_of(member),
+                    }
+                )
+        return {
+            "node_id": self.node_id,
+            "cluster_name": self.settings.name,
+            "cluster_id": config.cluster_id if config is not None else None,
+            "member": self.is_member(),
+            "raft": raft.status(),
+            "leader": raft.leader_id,
+            "map_version": self.map.version if config is not None else None,
+            "map_age_ms": now - self.map_changed_at if config is not None else None,
+            "partitions": config.partitions if config is not None else self.settings.partitions,
+            "replication_factor": (
+                config.replication_factor
+                if config is not None
+                else self.settings.replication_factor
+            ),
+            "pending_change": latest != config,
+            "members": members,
+            "links": self.transport.stats(),
+        }

@@ -1,0 +1,240 @@
+"""The node-to-node transport in one process: real TCP links on loopback between Transport
+objects, the handshake (cluster name, secret, protocol version), batching, de-duplication of
+simultaneous dials, reconnection, fault injection, and hostile peers."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+import fastbroker_core
+import pytest
+import uvloop
+
+from fastbroker.cluster import transport as tr
+from fastbroker.cluster.transport import Transport, parse_address
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Peer:
+    """A Transport plus what it received."""
+
+    def __init__(self, node_id: str, *, secret: bytes = b"s", cluster: str = "c", **kw: Any):
+        self.node_id = node_id
+        self.received: list[tuple[str, int, Any]] = []
+        self.ups: list[str] = []
+        self.downs: list[str] = []
+        self.transport = Transport(
+            asyncio.get_running_loop(),
+            node_id=node_id,
+            cluster_name=cluster,
+            secret=secret,
+            advertise="",
+            on_message=lambda peer, kind, value: self.received.append((peer, kind, value)),
+            on_peer_up=self.ups.append,
+            on_peer_down=self.downs.append,
+            **kw,
+        )
+        self.address: tuple[str, int] = ("", 0)
+
+    async def listen(self) -> Peer:
+        self.address = await self.transport.listen("127.0.0.1", 0)
+        self.transport.advertise = f"127.0.0.1:{self.address[1]}"
+        return self
+
+    def dial(self, other: Peer) -> None:
+        self.transport.set_targets({other.address})
+        self.transport.maintain()
+
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("timed out")
+        await asyncio.sleep(0.01)
+
+
+def run(coro) -> None:
+    # The broker runs on uvloop, whose transports differ from asyncio's in small ways.
+    uvloop.run(coro)
+
+
+def test_parse_address():
+    assert parse_address("h:1") == ("h", 1)
+    assert parse_address("[::1]:7883") == ("::1", 7883)
+    assert parse_address("h", 5) == ("h", 5)
+    for bad in ("h", ":1", "h:0", "h:x", "[::1", "h:70000"):
+        with pytest.raises(ValueError):
+            parse_address(bad)
+
+
+def test_handshake_messages_and_batching():
+    async def main() -> None:
+        a, b = await Peer("a").listen(), await Peer("b").listen()
+        a.dial(b)
+        await until(lambda: a.ups == ["b"] and b.ups == ["a"])
+        link = a.transport.links["b"]
+        writes = link.writes
+        for i in range(500):
+            assert a.transport.send("b", 20, {"i": i, "blob": b"x" * 10})
+        await until(lambda: len(b.received) == 500)
+        assert [v["i"] for _, _, v in b.received] == list(range(500))
+        assert all(p == "a" and k == 20 for p, k, _ in b.received)
+        # 500 frames queued in one loop iteration went out in one write.
+        assert link.writes == writes + 1
+        assert link.version == 1
+        await a.transport.close()
+        await until(lambda: b.downs == ["a"])
+        await b.transport.close()
+
+    run(main())
+
+
+def test_wrong_secret_and_wrong_cluster_are_refused():
+    async def main() -> None:
+        b = await Peer("b").listen()
+        for bad in (Peer("a", secret=b"other"), Peer("a", cluster="x")):
+            await bad.listen()
+            bad.dial(b)
+            await asyncio.sleep(0.5)
+            assert bad.ups == [] and b.ups == []
+            assert not b.transport.links and not bad.transport.links
+            await bad.transport.close()
+        await b.transport.close()
+
+    run(main())
+
+
+def test_protocol_version_negotiated():
+    async def main() -> None:
+        new, old = await Peer("new", protocol_max=2).listen(), await Peer("old").listen()
+        new.dial(old)
+        await until(lambda: new.ups and old.ups)
+        assert new.transport.links["old"].version == 1
+        assert old.transport.links["new"].version == 1
+        for p in (new, old):
+            await p.transport.close()
+
+    run(main())
+
+
+def test_no_common_version_is_refused_with_a_reason():
+    async def main() -> None:
+        b = await Peer("b").listen()
+        reader, writer = await asyncio.open_connection(*b.address)
+        hello = {
+            "magic": tr.MAGIC,
+            "versions": [5, 6],
+            "cluster": "c",
+            "node": "future",
+            "address": "",
+            "nonce": b"n" * 16,
+        }
+        writer.write(fastbroker_core.encode_frame(tr.HELLO, hello))
+        decoder = fastbroker_core.FrameDecoder()
+        frames: list[tuple[int, Any]] = []
+        while True:
+            data = await asyncio.wait_for(reader.read(65536), 5)
+            if not data:
+                break
+            frames += decoder.feed(data)
+        kinds = [k for k, _ in frames]
+        assert kinds == [tr.HELLO, tr.REJECT]
+        assert "no common protocol version" in frames[1][1]["reason"]
+        writer.close()
+        assert not b.ups
+        await b.transport.close()
+
+    run(main())
+
+
+def test_simultaneous_dials_leave_one_link():
+    async def main() -> None:
+        a, b = await Peer("a").listen(), await Peer("b").listen()
+        a.dial(b)
+        b.dial(a)
+        await until(lambda: "b" in a.transport.links and "a" in b.transport.links)
+        await asyncio.sleep(0.5)
+        la, lb = a.transport.links["b"], b.transport.links["a"]
+        # Both ends kept the same TCP connection: the one dialled by "a".
+        assert la.dialled is not None and lb.dialled is None
+        assert la.transport.get_extra_info("sockname") == lb.transport.get_extra_info("peername")
+        assert a.transport.send("b", 30, "hi")
+        await until(lambda: b.received == [("a", 30, "hi")])
+        for p in (a, b):
+            await p.transport.close()
+
+    run(main())
+
+
+def test_reconnects_after_the_peer_restarts():
+    async def main() -> None:
+        a, b = await Peer("a").listen(), await Peer("b").listen()
+        a.dial(b)
+        await until(lambda: "b" in a.transport.links)
+        port = b.address[1]
+        await b.transport.close()
+        await until(lambda: a.downs == ["b"])
+        for _ in range(5):  # fails while b is away, backing off
+            a.transport.maintain()
+            await asyncio.sleep(0.05)
+        b2 = Peer("b")
+        b2.address = await b2.transport.listen("127.0.0.1", port)
+        for _ in range(200):
+            a.transport.maintain()
+            if "b" in a.transport.links:
+                break
+            await asyncio.sleep(0.05)
+        assert "b" in a.transport.links and a.ups == ["b", "b"]
+        for p in (a, b2):
+            await p.transport.close()
+
+    run(main())
+
+
+def test_block_cuts_and_refuses_then_heals():
+    async def main() -> None:
+        a, b = await Peer("a").listen(), await Peer("b").listen()
+        a.dial(b)
+        await until(lambda: "b" in a.transport.links)
+        a.transport.block({"b"})
+        await until(lambda: "a" not in b.transport.links)
+        for _ in range(20):
+            a.transport.maintain()
+            await asyncio.sleep(0.05)
+        assert "b" not in a.transport.links and not a.transport.send("b", 30, 1)
+        a.transport.block(set())
+        for _ in range(200):
+            a.transport.maintain()
+            if "b" in a.transport.links:
+                break
+            await asyncio.sleep(0.05)
+        assert "b" in a.transport.links
+        for p in (a, b):
+            await p.transport.close()
+
+    run(main())
+
+
+def test_garbage_and_silence_are_dropped(monkeypatch):
+    monkeypatch.setattr(tr, "HANDSHAKE_TIMEOUT_S", 0.5)
+
+    async def main() -> None:
+        b = await Peer("b").listen()
+        loop = asyncio.get_running_loop()
+        # A bad value tag, a 2 GiB frame, a frame cut short then silence.
+        for junk in (b"\x00\x00\x00\x03\x01\xff\xff", b"\x7f\xff\xff\xff", bytes(range(64))):
+            sock = socket.create_connection(b.address)
+            sock.setblocking(False)
+            await loop.sock_sendall(sock, junk)
+            # Closed by b: reading ends (after its HELLO) instead of hanging.
+            while await asyncio.wait_for(loop.sock_recv(sock, 65536), 5):
+                pass
+            sock.close()
+        assert not b.transport.links and not b.ups
+        await b.transport.close()
+
+    run(main())
