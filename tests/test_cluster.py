@@ -347,33 +347,24 @@ def test_bad_cluster_toml_is_a_clear_error(tmp_path, toml, words):
     assert words in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
+def run_briefly(data, node_id: str) -> subprocess.CompletedProcess[str]:
+    """`fastbroker run` of a cluster node on `data`, expected to refuse to start."""
+    return subprocess.run(
+        [sys.executable, "-m", "fastbroker", "run", "--data-dir", str(data), "--node-id",
+         node_id, "--cluster-listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )  # fmt: skip
+
+
 def test_data_dir_belongs_to_one_node_id_and_damage_is_refused(tmp_path):
     with Cluster(tmp_path) as cluster:
         cluster.start(1)
         cluster.wait_converged(["n1"], JOIN_BOUND_S)
         cluster.node(1).stop()
     data = tmp_path / "n1" / "data"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fastbroker",
-            "run",
-            "--data-dir",
-            str(data),
-            "--node-id",
-            "zz",
-            "--cluster-listen",
-            "127.0.0.1:0",
-            "--admin",
-            "127.0.0.1:0",
-            "--port",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    out = run_briefly(data, "zz")
     assert out.returncode == 1
     assert "belongs to node 'n1'" in out.stderr
 
@@ -382,27 +373,7 @@ def test_data_dir_belongs_to_one_node_id_and_damage_is_refused(tmp_path):
     damaged = bytearray(state.read_bytes())
     damaged[-1] ^= 0xFF
     state.write_bytes(bytes(damaged))
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fastbroker",
-            "run",
-            "--data-dir",
-            str(data),
-            "--node-id",
-            "n1",
-            "--cluster-listen",
-            "127.0.0.1:0",
-            "--admin",
-            "127.0.0.1:0",
-            "--port",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    out = run_briefly(data, "n1")
     assert out.returncode == 1, out.stderr
     assert "raft-state is damaged" in out.stderr and "Traceback" not in out.stderr
     assert state.read_bytes() == bytes(damaged)

@@ -183,26 +183,22 @@ def any_string(value: Any) -> str:
     return value
 
 
-def address(value: Any) -> str:
-    from fastbroker.cluster.transport import parse_address
+def address(*, allow_any_port: bool = False) -> Check:
+    """HOST:PORT; port 0 only where we listen (allow_any_port)."""
 
-    if type(value) is not str:
-        raise ValueError("expected HOST:PORT")
-    parse_address(value)
-    return value
+    def check(value: Any) -> str:
+        from fastbroker.cluster.transport import parse_address
+
+        if type(value) is not str:
+            raise ValueError("expected HOST:PORT")
+        parse_address(value, allow_any_port=allow_any_port)
+        return value
+
+    return check
 
 
 def optional_address(value: Any) -> str:
-    return value if value == "" else address(value)
-
-
-def listen_address(value: Any) -> str:
-    from fastbroker.cluster.transport import parse_address
-
-    if type(value) is not str:
-        raise ValueError("expected HOST:PORT")
-    parse_address(value, allow_any_port=True)
-    return value
+    return value if value == "" else address()(value)
 
 
 def address_list(value: Any) -> tuple[str, ...]:
@@ -240,7 +236,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
     "sys": {"interval": number(0)},
     "cluster": {
         "node_id": node_id,
-        "listen": listen_address,
+        "listen": address(allow_any_port=True),
         "advertise": optional_address,
         "name": nonempty_string,
         "secret": any_string,
