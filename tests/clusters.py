@@ -64,7 +64,12 @@ class Node:
         data = json.dumps(body).encode() if body is not None else None
         if method == "POST" and data is None:
             data = b""
-        request = urllib.request.Request(f"http://{self.admin}{path}", data=data, method=method)
+        request = urllib.request.Request(
+            f"http://{self.admin}{path}",
+            data=data,
+            method=method,
+            headers={"X-Fastbroker-Admin": "1"},
+        )
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 return json.loads(response.read())
@@ -77,7 +82,8 @@ class Node:
         script = (
             "import sys, urllib.request, urllib.error\n"
             "data = sys.argv[3].encode() if sys.argv[2] == 'POST' else None\n"
-            "req = urllib.request.Request(sys.argv[1], data=data, method=sys.argv[2])\n"
+            "req = urllib.request.Request(sys.argv[1], data=data, method=sys.argv[2],\n"
+            "                             headers={'X-Fastbroker-Admin': '1'})\n"
             "try:\n"
             "    print(urllib.request.urlopen(req, timeout=float(sys.argv[4])).read().decode())\n"
             "except urllib.error.HTTPError as e:\n"

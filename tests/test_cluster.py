@@ -247,6 +247,15 @@ def test_majority_lost_nodes_keep_serving(tmp_path):
         assert members_of(status) == ["n1", "n2", "n3"]
         assert status["raft"]["role"] != "leader"
         assert mqtt_roundtrip(n1, "alone")
+        # Leaving needs a majority too: refused with a clear message, the node keeps running.
+        out = subprocess.run(
+            [sys.executable, "-m", "fastbroker", "cluster", "leave", "--admin", n1.admin],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 1 and "did not leave" in out.stderr, out.stderr
+        assert n1.alive() and mqtt_roundtrip(n1, "still-here")
         # The majority comes back: the map is whole again.
         cluster.start(2)
         cluster.start(3)
@@ -418,6 +427,26 @@ def test_status_from_a_standalone_broker(tmp_path):
             return "standalone broker" in out.stdout
 
         wait_for(answers, 20, "the standalone status")
+
+        def raw(request: bytes, wait: float = 10) -> bytes:
+            with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
+                sock.sendall(request)
+                chunks = []
+                while chunk := sock.recv(65536):
+                    chunks.append(chunk)
+                return b"".join(chunks)
+
+        # A POST without the admin header (what a web page could send) is refused.
+        answer = raw(b"POST /cluster/leave HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 403")
+        assert raw(b"GET /x HTTP/1.1\r\nContent-Length: \xc2\xb2\r\n\r\n").startswith(
+            b"HTTP/1.1 400"
+        )
+        assert raw(b"garbage\r\n\r\n").startswith(b"HTTP/1.1 400")
+        assert raw(b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 5000).startswith(b"HTTP/1.1 413")
+        # Half a request, then silence: answered 408 after the deadline, not held open.
+        assert raw(b"GET /health HTTP/1.1\r\n").startswith(b"HTTP/1.1 408")
+        assert raw(b"GET /health HTTP/1.1\r\n\r\n").endswith(b"ok\n")
     finally:
         proc.terminate()
         proc.wait(10)
@@ -430,6 +459,28 @@ def test_a_node_waits_for_its_seed_instead_of_founding_its_own_cluster(tmp_path)
         time.sleep(3.5)  # longer than the bootstrap grace
         status = n2.status()
         assert status is not None and status["cluster_id"] is None
-        assert "waiting for seeds" in n2.log()
+        assert "before forming a cluster" in n2.log()
         cluster.start(1)
         cluster.wait_converged(["n1", "n2"], JOIN_BOUND_S)
+
+
+def test_a_member_back_at_a_new_address_keeps_its_place(tmp_path):
+    with Cluster(tmp_path) as cluster:
+        form(cluster, 3)
+        n3 = cluster.node(3)
+        before = cluster.node(1).status()
+        n3.stop()
+        moved_to = f"{cluster.ip(9)}:27883"
+        cluster.start(3, listen=moved_to)
+
+        def moved() -> bool:
+            status = cluster.node(1).status()
+            return status is not None and any(
+                m["node_id"] == "n3" and m["address"] == moved_to for m in status["members"]
+            )
+
+        wait_for(moved, JOIN_BOUND_S, "n3's new address in the map", *cluster.running())
+        cluster.wait_converged(["n1", "n2", "n3"], JOIN_BOUND_S)
+        after = cluster.node(1).status()
+        # One config change (the address), and the partitions stay where they were.
+        assert replicas(after) == replicas(before)

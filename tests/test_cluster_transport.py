@@ -238,3 +238,66 @@ def test_garbage_and_silence_are_dropped(monkeypatch):
         await b.transport.close()
 
     run(main())
+
+
+def test_a_stranger_cannot_splice_two_handshakes():
+    """Without the secret, a stranger connects to a and b, tells each it is the other (with
+    the other's nonce) and hands each one's AUTH to the other: both must refuse."""
+
+    async def main() -> None:
+        a, b = await Peer("a").listen(), await Peer("b").listen()
+        (ra, wa), (rb, wb) = (
+            await asyncio.open_connection(*a.address),
+            await asyncio.open_connection(*b.address),
+        )
+        da, db = fastbroker_core.FrameDecoder(), fastbroker_core.FrameDecoder()
+
+        async def next_frame(reader, decoder, pending):
+            while not pending:
+                data = await asyncio.wait_for(reader.read(65536), 5)
+                if not data:
+                    return None
+                pending += decoder.feed(data)
+            return pending.pop(0)
+
+        pa: list = []
+        pb: list = []
+        hello_a = (await next_frame(ra, da, pa))[1]
+        hello_b = (await next_frame(rb, db, pb))[1]
+        wa.write(fastbroker_core.encode_frame(tr.HELLO, hello_b))  # "I am b" to a
+        wb.write(fastbroker_core.encode_frame(tr.HELLO, hello_a))  # "I am a" to b
+        auth_a = await next_frame(ra, da, pa)
+        auth_b = await next_frame(rb, db, pb)
+        assert auth_a[0] == tr.AUTH and auth_b[0] == tr.AUTH
+        wa.write(fastbroker_core.encode_frame(tr.AUTH, auth_b[1]))
+        wb.write(fastbroker_core.encode_frame(tr.AUTH, auth_a[1]))
+        refusals = [await next_frame(ra, da, pa), await next_frame(rb, db, pb)]
+        assert [k for k, _ in refusals] == [tr.REJECT, tr.REJECT]
+        assert all("authentication failed" in v["reason"] for _, v in refusals)
+        assert not a.ups and not b.ups
+        for w in (wa, wb):
+            w.close()
+        for p in (a, b):
+            await p.transport.close()
+
+    run(main())
+
+
+def test_a_stranger_cannot_send_much_before_authenticating():
+    async def main() -> None:
+        b = await Peer("b").listen()
+        reader, writer = await asyncio.open_connection(*b.address)
+        # One frame announcing 1 MiB: under the frame limit, over the unauthenticated budget.
+        writer.write(b"\x00\x10\x00\x00" + b"\x01" + b"\x07" * 200_000)
+        closed = False
+        try:
+            while await asyncio.wait_for(reader.read(65536), 5):
+                pass
+            closed = True
+        except ConnectionResetError:
+            closed = True
+        assert closed and not b.ups
+        writer.close()
+        await b.transport.close()
+
+    run(main())

@@ -9,6 +9,9 @@ client cannot hold it.
   POST /cluster/leave   this node leaves the cluster, then stops (JSON result)
   POST /debug/block     {"nodes": [...]}: cut links to those nodes; [] heals. Only with
                         [cluster] fault_injection = true (tests of network splits).
+
+POST requests must carry the header `X-Fastbroker-Admin: 1`: a web page open in a browser on
+the same host can send a plain POST to a loopback port, but not with a custom header.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ logger = logging.getLogger("fastbroker.admin")
 MAX_HEADER = 16 * 1024
 MAX_BODY = 64 * 1024
 REQUEST_DEADLINE_S = 5.0
+# Requests handled at once; more wait in the accept backlog.
+MAX_CONCURRENT = 32
+ADMIN_HEADER = "x-fastbroker-admin"
 
 # (method, path, body) -> (status, JSON-able body)
 Handler = Callable[[str, str, bytes], Awaitable[tuple[int, Any]]]
@@ -31,6 +37,7 @@ Handler = Callable[[str, str, bytes], Awaitable[tuple[int, Any]]]
 REASONS = {
     200: "OK",
     400: "Bad Request",
+    403: "Forbidden",
     404: "Not Found",
     405: "Method Not Allowed",
     408: "Request Timeout",
@@ -44,6 +51,7 @@ class AdminServer:
     def __init__(self, handler: Handler) -> None:
         self.handler = handler
         self.server: asyncio.Server | None = None
+        self.slots = asyncio.Semaphore(MAX_CONCURRENT)
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         self.server = await asyncio.start_server(self.serve, host, port, limit=MAX_HEADER)
@@ -56,6 +64,10 @@ class AdminServer:
             await self.server.wait_closed()
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async with self.slots:
+            await self.serve_one(reader, writer)
+
+    async def serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             request = await asyncio.wait_for(self.read_request(reader), REQUEST_DEADLINE_S)
             if isinstance(request, tuple) and len(request) == 3:
@@ -65,6 +77,9 @@ class AdminServer:
                 status, body = request
         except TimeoutError:
             status, body = 408, {"error": "request not received in time"}
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+            return
         except Exception:
             logger.exception("admin request failed")
             status, body = 500, {"error": "internal error"}
@@ -99,12 +114,17 @@ class AdminServer:
             return 400, {"error": "bad request line"}
         method, target = parts[0], parts[1]
         length = 0
+        headers: dict[str, str] = {}
         for line in lines[1:]:
             name, _, value = line.partition(":")
-            if name.strip().lower() == "content-length":
-                if not value.strip().isdigit():
-                    return 400, {"error": "bad Content-Length"}
-                length = int(value.strip())
+            headers[name.strip().lower()] = value.strip()
+        if "content-length" in headers:
+            value = headers["content-length"]
+            if not (value.isascii() and value.isdigit() and len(value) <= 12):
+                return 400, {"error": "bad Content-Length"}
+            length = int(value)
+        if method == "POST" and headers.get(ADMIN_HEADER) != "1":
+            return 403, {"error": f"POST needs the header {ADMIN_HEADER}: 1"}
         if length > MAX_BODY:
             return 413, {"error": "request body too large"}
         body = await reader.readexactly(length) if length else b""

@@ -151,18 +151,30 @@ def admin_request(admin: str, method: str, path: str, timeout: float) -> Any:
     except ValueError as error:
         fail(f"--admin: {error}", EXIT_CONFIG_ERROR)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}{path}"
-    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    request = urllib.request.Request(
+        url,
+        method=method,
+        data=b"" if method == "POST" else None,
+        # The admin endpoint's guard against POSTs from web pages (fastbroker.admin).
+        headers={"X-Fastbroker-Admin": "1"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
+            data = json.loads(response.read())
     except urllib.error.HTTPError as error:
         try:
-            return json.loads(error.read())
+            data = json.loads(error.read())
         except ValueError:
             fail(f"{url}: HTTP {error.code}", EXIT_STARTUP_ERROR)
+        if not isinstance(data, dict) or "error" in data:
+            detail = data.get("error") if isinstance(data, dict) else data
+            fail(f"{url}: HTTP {error.code}: {detail}", EXIT_STARTUP_ERROR)
     except (urllib.error.URLError, OSError, ValueError) as error:
         reason = getattr(error, "reason", error)
         fail(f"cannot reach the admin endpoint {url}: {reason}", EXIT_STARTUP_ERROR)
+    if not isinstance(data, dict):
+        fail(f"{url}: unexpected answer {data!r:.200}", EXIT_STARTUP_ERROR)
+    return data
 
 
 def ranges(numbers: list[int]) -> str:

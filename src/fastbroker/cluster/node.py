@@ -48,6 +48,8 @@ TICK_S = 0.05
 # joining a running cluster learns of it first.
 BOOTSTRAP_GRACE_S = 2.0
 JOIN_RETRY_S = 0.5
+# How long a leader address learnt from a peer stays a dial target.
+HINT_TTL_MS = 30_000
 
 STATE_FILE = "raft-state"
 NODE_FILE = "node-id"
@@ -161,6 +163,12 @@ class ClusterNode:
         self.last_join_attempt = 0
         self.last_ping = 0
         self.leaving = False
+        # Raft state whose save failed: saved before anything else is sent.
+        self.unsaved: PersistentState | None = None
+        # Addresses named as leaders by peers (address -> expiry), dialled to join.
+        self.hints: dict[tuple[str, int], int] = {}
+        # member -> (address, when) of the last address change accepted for it.
+        self.address_changes: dict[str, tuple[str, int]] = {}
         self.leader_term = -1
         self.last_seed_warning = 0
         self.leader_started = 0
@@ -176,6 +184,8 @@ class ClusterNode:
             advertise=self.advertise,
             on_message=self.on_message,
         )
+        # Peers ping every heartbeat: a link silent this long is half-open (peer gone).
+        self.transport.idle_timeout_s = settings.failure_timeout_ms / 1000
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -280,7 +290,11 @@ class ClusterNode:
         self.transport.maintain()
 
     def link_targets(self) -> set[tuple[str, int]]:
-        targets = set(self.seeds) | self.discovered
+        now = monotonic_ms()
+        for hint, expiry in list(self.hints.items()):
+            if expiry < now:
+                del self.hints[hint]
+        targets = set(self.seeds) | self.discovered | set(self.hints)
         raft = self.raft
         assert raft is not None
         config = raft.latest_config
@@ -300,15 +314,21 @@ class ClusterNode:
         or an acknowledgement must survive a crash once it has been sent)."""
         raft = self.raft
         assert raft is not None
-        state = raft.take_persistent_state()
+        state = raft.take_persistent_state() or self.unsaved
         if state is not None:
             try:
                 self.state_file.save(state)
             except OSError as error:
-                # Without durable state sending would break Raft's promises: stay silent.
-                logger.error("cannot save the cluster state: %s; retrying", error)
+                # Without durable state, sending would break Raft's promises: stay silent
+                # (Raft retries what it sends) and save again at the next step.
+                if self.unsaved is None:
+                    logger.error("cannot save the cluster state: %s; retrying", error)
+                self.unsaved = state
                 raft.take_messages()
                 return
+            if self.unsaved is not None:
+                logger.info("cluster state saved again")
+                self.unsaved = None
         for destination, message in raft.take_messages():
             self.transport.send(destination, RAFT, message)
         if raft.committed_config_index != self.map.version or (
@@ -366,7 +386,14 @@ class ClusterNode:
             return
         config = raft.latest_config
         if config is None:
-            in_cluster = [p for p, v in self.peers.items() if v.cluster_id is not None]
+            recent = 3 * self.settings.heartbeat_ms + 1000
+            in_cluster = [
+                p
+                for p in self.transport.connected()
+                if p in self.peers
+                and self.peers[p].cluster_id is not None
+                and now - self.peers[p].last_seen < recent
+            ]
             if in_cluster:
                 self.last_join_attempt = now
                 self.ask_to_join(in_cluster)
@@ -374,8 +401,8 @@ class ClusterNode:
                 self.maybe_bootstrap(now)
             return
         live = self.live_peers(now)
-        if not self.is_member():
-            # Restarted after leaving, or removed while running: come back.
+        if not self.is_member() or config.address_of(self.node_id) != self.advertise:
+            # Restarted after leaving, removed while running, or back at a new address.
             candidates = live
         else:
             # Removed while cut off: peers of our cluster know a newer map without us.
@@ -422,12 +449,14 @@ class ClusterNode:
         # the cluster it is meant to join (started later, or restarting).
         links = self.transport.links
         own = {parse_address(self.advertise), self.listen}
-        unreached = [a for a in self.seeds - own if self.transport.address_ids.get(a) not in links]
+        # Discovered addresses count like seeds: one of them may be in a cluster already.
+        expected = (self.seeds | self.discovered) - own
+        unreached = [a for a in expected if self.transport.address_ids.get(a) not in links]
         if unreached:
             if now - self.last_seed_warning > 10_000:
                 self.last_seed_warning = now
                 logger.info(
-                    "waiting for seeds %s before forming a cluster",
+                    "waiting for %s to answer before forming a cluster",
                     ", ".join(format_address(a) for a in unreached),
                 )
             return
@@ -501,15 +530,32 @@ class ClusterNode:
         if raft.role != "leader" or config is None:
             self.transport.send(sender, JOIN_REPLY, self.leader_hint("not the leader"))
             return
-        if config.address_of(node) == address:
+        old_address = config.address_of(node)
+        if old_address == address:
             self.transport.send(sender, JOIN_REPLY, {"ok": True})
             return
-        # A member coming back at a new address: remove the old entry first.
-        proposed = config.without_member(node) if node in config.member_ids() else None
-        proposed = proposed or config.with_member(node, address)
-        reason = raft.propose(proposed, now)
+        if old_address is not None:
+            # A member back at a new address: one change, no partition moves. Two live
+            # processes with one node id would swap it back and forth: refuse that.
+            previous = self.address_changes.get(node)
+            if previous and previous[0] == address and now - previous[1] < 30_000:
+                logger.error(
+                    "node id %s is announced from %s and %s: are two nodes using one id?",
+                    node,
+                    old_address,
+                    address,
+                )
+                self.transport.send(
+                    sender, JOIN_REPLY, {"ok": False, "reason": f"node id {node} is in use"}
+                )
+                return
+        reason = raft.propose(config.with_member(node, address), now)
         if reason is None:
-            logger.info("adding %s (%s) to the cluster", node, address)
+            if old_address is not None:
+                self.address_changes[node] = (old_address, now)
+                logger.info("member %s moved from %s to %s", node, old_address, address)
+            else:
+                logger.info("adding %s (%s) to the cluster", node, address)
             self.after_raft_step(now)
         self.transport.send(
             sender, JOIN_REPLY, {"ok": reason is None, "reason": reason or "", "retry": True}
@@ -562,6 +608,9 @@ class ClusterNode:
                 await asyncio.wait_for(self.left.wait(), 0.5)
             except TimeoutError:
                 pass
+        if not self.left.is_set():
+            # Not left (no majority): the node stays a normal member and may rejoin.
+            self.leaving = False
         return self.left.is_set()
 
     # -- messages --------------------------------------------------------------------------
@@ -645,7 +694,7 @@ class ClusterNode:
         except ValueError:
             return
         if parsed != parse_address(self.advertise):
-            self.discovered.add(parsed)
+            self.hints[parsed] = monotonic_ms() + HINT_TTL_MS
 
     # -- admin -----------------------------------------------------------------------------
 

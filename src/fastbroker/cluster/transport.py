@@ -6,9 +6,16 @@ Handshake, both sides at once (no round trip is wasted waiting for the other):
   1. each sends HELLO {magic, versions [min, max], cluster, node, address, nonce};
   2. on the peer's HELLO each checks the magic and cluster name, picks the protocol version
      min(our max, their max) (refused if below either side's min), and sends AUTH with
-     HMAC-SHA256(secret, b"fbc" + role + their nonce + our nonce + our node id): proof that it
-     holds the secret, bound to the peer's fresh nonce so it cannot be replayed;
+     HMAC-SHA256(secret, role + transcript), where role says whether the signer dialled or
+     accepted, and the transcript names both node ids and both nonces in dialler-then-acceptor
+     order. It proves the signer holds the secret; the peer's fresh nonce stops replays, and
+     the role and both ids stop a stranger from splicing two handshakes together (passing one
+     node's proof on to another) or reflecting a node's own proof back to it;
   3. on the peer's valid AUTH the link is up.
+
+The handshake authenticates the peer; the frames after it are neither encrypted nor signed,
+so links must run on a network an attacker cannot sit in the middle of (TLS for links is
+future work).
 A refusal is sent as REJECT {reason} before closing, so the other side logs why.
 
 Two nodes may dial each other at the same moment; the link dialled by the node with the
@@ -27,6 +34,7 @@ import hmac
 import logging
 import os
 import random
+import reprlib
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -46,6 +54,11 @@ AUTH = 2
 REJECT = 3
 
 HANDSHAKE_TIMEOUT_S = 5.0
+# Bytes a peer may send before it has authenticated (HELLO and AUTH take a few hundred; its
+# first frames may share the last read): a stranger cannot make us buffer or decode more.
+MAX_UNAUTHENTICATED_BYTES = 64 * 1024
+# Links still in their handshake; more are refused, so a connection flood stays cheap.
+MAX_HANDSHAKING = 128
 # A peer that announces a bigger frame is broken or hostile; control frames are small.
 MAX_FRAME = 16 * 1024 * 1024
 # Above this many bytes waiting in the socket buffer, further frames to that peer are
@@ -110,8 +123,11 @@ class Link(asyncio.Protocol):
         self.flush_scheduled = False
         self.dropped_frames = 0
         self.handshake_timer: asyncio.TimerHandle | None = None
+        # Counted in the owner's handshaking total until up or closed.
+        self.counted = False
         self.bytes_in = 0
         self.bytes_out = 0
+        self.last_received = transport_owner.loop.time()
         # Socket writes made by flush(): frames queued in one loop iteration share one.
         self.writes = 0
 
@@ -121,6 +137,11 @@ class Link(asyncio.Protocol):
         # uvloop's transports are not asyncio.Transport subclasses, hence the cast.
         self.transport = cast(asyncio.Transport, transport)
         owner = self.owner
+        owner.handshaking += 1
+        self.counted = True
+        if owner.handshaking > MAX_HANDSHAKING:
+            self.close("too many links in their handshake", level=logging.WARNING)
+            return
         self.handshake_timer = owner.loop.call_later(HANDSHAKE_TIMEOUT_S, self.handshake_timeout)
         self.send_now(
             HELLO,
@@ -136,6 +157,10 @@ class Link(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.bytes_in += len(data)
+        self.last_received = self.owner.loop.time()
+        if not self.up and self.bytes_in > MAX_UNAUTHENTICATED_BYTES:
+            self.fail("too many bytes before the handshake completed")
+            return
         try:
             frames = self.decoder.feed(data)
         except ValueError as error:
@@ -151,6 +176,7 @@ class Link(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.uncount()
         if self.handshake_timer is not None:
             self.handshake_timer.cancel()
         self.owner.link_lost(self)
@@ -172,16 +198,17 @@ class Link(asyncio.Protocol):
             if problem is not None:
                 self.reject(problem)
                 return
-            self.send_now(AUTH, {"mac": self.mac(owner.node_id, self.peer_nonce, self.nonce)})
+            self.send_now(AUTH, {"mac": self.mac(signer_dialled=self.dialled is not None)})
             return
         if kind == AUTH and self.peer_nonce is not None and self.peer_id is not None:
             mac = value.get("mac") if isinstance(value, dict) else None
-            expected = self.mac(self.peer_id, self.nonce, self.peer_nonce)
+            expected = self.mac(signer_dialled=self.dialled is None)
             if not isinstance(mac, bytes) or not hmac.compare_digest(mac, expected):
                 self.reject("authentication failed: the cluster secrets differ")
                 return
             if self.handshake_timer is not None:
                 self.handshake_timer.cancel()
+            self.uncount()
             self.up = True
             owner.link_up(self)
             return
@@ -199,14 +226,14 @@ class Link(asyncio.Protocol):
             or len(versions) != 2
             or not all(type(v) is int for v in versions)
             or not isinstance(node, str)
-            or not node
+            or not 0 < len(node) <= 64
             or not isinstance(nonce, bytes)
             or len(nonce) != 16
         ):
             return "malformed HELLO"
         if hello.get("cluster") != owner.cluster_name:
-            theirs = hello.get("cluster")
-            return f"cluster name differs: ours {owner.cluster_name!r}, theirs {theirs!r}"
+            theirs = reprlib.repr(hello.get("cluster"))
+            return f"cluster name differs: ours {owner.cluster_name!r}, theirs {theirs}"
         if node == owner.node_id:
             # Discovery found our own address.
             return "same node"
@@ -226,10 +253,23 @@ class Link(asyncio.Protocol):
         self.version = version
         return None
 
-    def mac(self, node_id: str, challenge: bytes | None, own_nonce: bytes) -> bytes:
-        assert challenge is not None
-        message = b"fbc1" + challenge + own_nonce + node_id.encode()
-        return hmac.new(self.owner.secret, message, hashlib.sha256).digest()
+    def mac(self, *, signer_dialled: bool) -> bytes:
+        """The AUTH proof of the side that dialled (signer_dialled) or accepted this link."""
+        assert self.peer_id is not None and self.peer_nonce is not None
+        we_dialled = self.dialled is not None
+        ours = (self.owner.node_id.encode(), self.nonce)
+        theirs = (self.peer_id.encode(), self.peer_nonce)
+        (dialler_id, dialler_nonce), (acceptor_id, acceptor_nonce) = (
+            (ours, theirs) if we_dialled else (theirs, ours)
+        )
+        transcript = b"\0".join((b"fbc1", dialler_id, acceptor_id)) + dialler_nonce + acceptor_nonce
+        role = b"D" if signer_dialled else b"A"
+        return hmac.new(self.owner.secret, role + transcript, hashlib.sha256).digest()
+
+    def uncount(self) -> None:
+        if self.counted:
+            self.counted = False
+            self.owner.handshaking -= 1
 
     def reject(self, reason: str) -> None:
         level = logging.DEBUG if reason == "same node" else logging.WARNING
@@ -314,6 +354,10 @@ class Transport:
         # address -> node id learnt at handshake, so we do not dial a connected peer again.
         self.address_ids: dict[tuple[str, int], str] = {}
         self.blocked: set[str] = set()
+        self.handshaking = 0
+        # A link that has received nothing for this long is closed (a half-open connection
+        # to a peer that vanished); peers ping far more often. None: never.
+        self.idle_timeout_s: float | None = None
         self.server: asyncio.Server | None = None
         self.closing = False
         self.rng = random.Random()
@@ -348,6 +392,11 @@ class Transport:
         if self.closing:
             return
         now = self.loop.time()
+        if self.idle_timeout_s is not None:
+            for link in list(self.links.values()):
+                if now - link.last_received > self.idle_timeout_s:
+                    idle = f"nothing received for {self.idle_timeout_s:.1f} s"
+                    link.close(idle, level=logging.WARNING)
         for address, state in self.targets.items():
             known = self.address_ids.get(address)
             if known is not None and known in self.links:
@@ -363,7 +412,8 @@ class Transport:
                 self.loop.create_connection(lambda: Link(self, address), *address),
                 HANDSHAKE_TIMEOUT_S,
             )
-        except (OSError, TimeoutError) as error:
+        except Exception as error:
+            # Any failure (refused, timeout, a host name IDNA cannot encode) backs off.
             logger.debug("cannot reach %s: %s", format_address(address), error)
             self.back_off(state)
         finally:
@@ -407,7 +457,9 @@ class Transport:
             self.on_peer_up(peer)
 
     def link_lost(self, link: Link) -> None:
-        if link.dialled is not None and not link.up:
+        if link.dialled is not None:
+            # Also after a link that came up: one that keeps being closed (a duplicate, a
+            # peer that drops it) must not be redialled every tick.
             state = self.targets.get(link.dialled)
             if state is not None:
                 self.back_off(state)
