@@ -136,3 +136,39 @@ def parse_json_body(body: bytes) -> Any:
         return json.loads(body or b"{}")
     except (ValueError, UnicodeDecodeError):
         return None
+
+
+def routes(cluster: Any, fault_injection: bool, on_left: Callable[[], None]) -> Handler:
+    """The endpoint's routes; `cluster` is the ClusterNode, or None for a standalone broker;
+    `on_left` runs once the node has left its cluster (it then stops)."""
+
+    async def handle(method: str, path: str, body: bytes) -> tuple[int, Any]:
+        if path == "/health":
+            return (200, "ok\n") if method == "GET" else (405, {"error": "use GET"})
+        if path == "/cluster/status":
+            if method != "GET":
+                return 405, {"error": "use GET"}
+            if cluster is None:
+                return 200, {"node_id": None, "standalone": True, "members": []}
+            return 200, cluster.status()
+        if path == "/cluster/leave":
+            if method != "POST":
+                return 405, {"error": "use POST"}
+            if cluster is None:
+                return 400, {"error": "this broker is standalone"}
+            left = await cluster.leave()
+            if left:
+                on_left()
+            return (200 if left else 503), {"left": left}
+        if path == "/debug/block":
+            if cluster is None or not fault_injection:
+                return 404, {"error": "fault injection is off ([cluster] fault_injection)"}
+            request = parse_json_body(body)
+            nodes = request.get("nodes") if isinstance(request, dict) else None
+            if method != "POST" or not isinstance(nodes, list):
+                return 400, {"error": 'POST {"nodes": [node ids]}'}
+            cluster.transport.block({str(n) for n in nodes})
+            return 200, {"blocked": sorted(cluster.transport.blocked)}
+        return 404, {"error": f"no such path {path}"}
+
+    return handle

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import resource
@@ -17,7 +18,7 @@ import uvloop
 
 from fastbroker import __version__
 from fastbroker._connection import Server, monotonic_ms
-from fastbroker.admin import AdminServer, parse_json_body
+from fastbroker.admin import AdminServer, routes
 from fastbroker.config import Config, ConfigError
 from fastbroker.heap import HeapTrimmer
 from fastbroker.store import Store, StoreError
@@ -252,8 +253,6 @@ async def start_cluster(config: Config, loop: asyncio.AbstractEventLoop) -> Any:
     if not config.cluster.node_id:
         return None
     # Imported here: a standalone broker loads none of the cluster code.
-    import dataclasses
-
     from fastbroker.cluster.node import ClusterNode, ClusterStartupError
 
     settings = dataclasses.replace(config.cluster, secret=cluster_secret(config), secret_file="")
@@ -273,36 +272,11 @@ async def start_admin(
     if not (enabled if enabled is not None else cluster is not None):
         return None
 
-    async def handle(method: str, path: str, body: bytes) -> tuple[int, Any]:
-        if path == "/health":
-            return (200, "ok\n") if method == "GET" else (405, {"error": "use GET"})
-        if path == "/cluster/status":
-            if method != "GET":
-                return 405, {"error": "use GET"}
-            if cluster is None:
-                return 200, {"node_id": None, "standalone": True, "members": []}
-            return 200, cluster.status()
-        if path == "/cluster/leave":
-            if method != "POST":
-                return 405, {"error": "use POST"}
-            if cluster is None:
-                return 400, {"error": "this broker is standalone"}
-            left = await cluster.leave()
-            if left:
-                # Leaving ends the node: its partitions now live elsewhere.
-                asyncio.get_running_loop().call_later(0.2, stop_requested.set)
-            return (200 if left else 503), {"left": left}
-        if path == "/debug/block":
-            if cluster is None or not config.cluster.fault_injection:
-                return 404, {"error": "fault injection is off ([cluster] fault_injection)"}
-            request = parse_json_body(body)
-            nodes = request.get("nodes") if isinstance(request, dict) else None
-            if method != "POST" or not isinstance(nodes, list):
-                return 400, {"error": 'POST {"nodes": [node ids]}'}
-            cluster.transport.block({str(n) for n in nodes})
-            return 200, {"blocked": sorted(cluster.transport.blocked)}
-        return 404, {"error": f"no such path {path}"}
+    def leave_done() -> None:
+        # Leaving ends the node: its partitions now live elsewhere.
+        asyncio.get_running_loop().call_later(0.2, stop_requested.set)
 
+    handle = routes(cluster, config.cluster.fault_injection, leave_done)
     admin = AdminServer(handle)
     host, port = config.admin.host, config.admin.port
     try:

@@ -171,6 +171,7 @@ class ClusterNode:
         self.address_changes: dict[str, tuple[str, int]] = {}
         self.leader_term = -1
         self.last_seed_warning = 0
+        self.last_join_refusal = ""
         self.leader_started = 0
         self.warned_clusters: set[str] = set()
         self.left = asyncio.Event()
@@ -331,9 +332,7 @@ class ClusterNode:
                 self.unsaved = None
         for destination, message in raft.take_messages():
             self.transport.send(destination, RAFT, message)
-        if raft.committed_config_index != self.map.version or (
-            raft.committed_config is not None and not self.map.members
-        ):
+        if raft.committed_config_index != self.map.version:
             self.update_map(now)
 
     def update_map(self, now: int) -> None:
@@ -386,13 +385,12 @@ class ClusterNode:
             return
         config = raft.latest_config
         if config is None:
-            recent = 3 * self.settings.heartbeat_ms + 1000
             in_cluster = [
                 p
                 for p in self.transport.connected()
                 if p in self.peers
                 and self.peers[p].cluster_id is not None
-                and now - self.peers[p].last_seen < recent
+                and self.heard_lately(self.peers[p], now)
             ]
             if in_cluster:
                 self.last_join_attempt = now
@@ -411,14 +409,17 @@ class ClusterNode:
             self.last_join_attempt = now
             self.ask_to_join(candidates)
 
+    def heard_lately(self, view: PeerView, now: int) -> bool:
+        # A few missed pings are normal; a second more covers a busy event loop.
+        return now - view.last_seen < 3 * self.settings.heartbeat_ms + 1000
+
     def live_peers(self, now: int) -> list[str]:
         """Peers of our cluster heard from lately."""
         own = self.cluster_id()
-        recent = 3 * self.settings.heartbeat_ms + 1000
         return [
             p
             for p, v in self.peers.items()
-            if v.cluster_id == own and own is not None and now - v.last_seen < recent
+            if own is not None and v.cluster_id == own and self.heard_lately(v, now)
         ]
 
     def removed_by(self, peers: list[str]) -> list[str]:
@@ -525,6 +526,11 @@ class ClusterNode:
         node = request.get("node") if isinstance(request, dict) else None
         address = request.get("address") if isinstance(request, dict) else None
         if not isinstance(node, str) or not isinstance(address, str) or node != sender:
+            return
+        try:
+            parse_address(address)
+        except ValueError as error:
+            self.transport.send(sender, JOIN_REPLY, {"ok": False, "reason": str(error)})
             return
         config = raft.latest_config
         if raft.role != "leader" or config is None:
@@ -687,6 +693,11 @@ class ClusterNode:
         address = reply.get("leader_address")
         if isinstance(address, str):
             self.note_address(address)
+        reason = reply.get("reason")
+        if isinstance(reason, str) and reason != self.last_join_refusal:
+            # Said once per reason: the join is retried every JOIN_RETRY_S.
+            self.last_join_refusal = reason
+            logger.warning("%s did not add this node: %.200s", sender, reason)
 
     def note_address(self, address: str) -> None:
         try:
