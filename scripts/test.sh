@@ -45,6 +45,9 @@ command -v mosquitto_pub >/dev/null || missing_packages+=(mosquitto-clients)
 command -v strace >/dev/null || missing_packages+=(strace)
 # `ip netns`: the multicast discovery tests run nodes inside network namespaces.
 command -v ip >/dev/null || missing_packages+=(iproute2)
+# Headless Chromium opens the load-test dashboard; Java runs Spark (the fresh machine has 17).
+command -v chromium >/dev/null || missing_packages+=(chromium)
+command -v java >/dev/null || missing_packages+=(openjdk-17-jre-headless)
 # Debian's Python creates venvs only with python3-venv (which provides ensurepip).
 "$PYTHON" -c 'import ensurepip' 2>/dev/null || missing_packages+=(python3-venv)
 if ((${#missing_packages[@]})); then
