@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from collections import defaultdict
@@ -449,3 +450,24 @@ def test_cli_on_fixtures(tmp_path: Path) -> None:
     assert r1.started == pd.Timestamp("2026-01-01T00:00:00Z")
     assert r1.ended == pd.Timestamp("2026-01-01T00:00:04Z")
     assert (r1.host, r1.users, r1.processes, r1.scenarios) == ("127.0.0.1:1883", 4, 2, "pairs")
+
+
+def test_spark_submit_runs_the_same_file_with_its_master(tmp_path: Path) -> None:
+    """Unchanged under spark-submit: the master given there is the one used (never local[*])."""
+    submit = Path(sys.executable).parent / "spark-submit"
+    if not submit.exists():
+        submit = Path(shutil.which("spark-submit") or "spark-submit")
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in MASTER_VARIABLES}
+    proc = subprocess.run(
+        [str(submit), "--master", "local[2]", str(REPO / "spark" / "aggregate.py"),
+         "--results", str(FIXTURES / "results"), "--out", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "master: local[2]" in proc.stdout
+    assert read_table(out, "throughput").shape[0] > 0
