@@ -20,6 +20,7 @@ import queue
 import signal
 import socket
 import struct
+import sys
 import threading
 import time
 import uuid
@@ -948,3 +949,14 @@ def raw():
     yield factory
     for r in clients:
         r.close()
+
+
+def pytest_collection_finish(session):
+    """Importing locust monkey-patches sockets, threads and time with gevent for the whole
+    process, which makes unrelated tests time out: locust runs only in subprocesses."""
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("socket"):
+        raise pytest.UsageError(
+            "a test module imported locust in the pytest process (gevent monkey-patching); "
+            "run it in a subprocess instead"
+        )

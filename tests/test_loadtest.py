@@ -4,6 +4,7 @@ fastbroker), plus the pure helpers (host parsing, payloads, the record contract)
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import signal
@@ -25,7 +26,10 @@ from loadtest.records import RUN_FIELDS, read_records, validate_record  # noqa: 
 from loadtest.targets import Node, parse_hosts  # noqa: E402
 from loadtest.tracking import make_payload, parse_payload  # noqa: E402
 
-pytest.importorskip("locust")
+# Not pytest.importorskip: importing locust monkey-patches the whole pytest process with gevent
+# (sockets, threads, time), which breaks every later test. Locust only ever runs in subprocesses.
+if importlib.util.find_spec("locust") is None:
+    pytest.skip("locust is not installed (pip install .[loadtest])", allow_module_level=True)
 
 LOCUSTFILE = REPO / "loadtest" / "locustfile.py"
 TIMEOUT_S = 2.0  # --mqtt-timeout in these runs: bounds the drain at the end
