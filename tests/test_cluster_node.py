@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import uvloop
+from tmpfs import mounted_tmpfs
 
 from fastbroker.cluster import node as node_module
 from fastbroker.cluster.node import ClusterNode, StateFile
@@ -22,26 +21,9 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs, unmounted at teardown whatever happens."""
-    mount_point = tmp_path / "fs"
-    mount_point.mkdir()
-    try:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-            check=True,
-            capture_output=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError) as error:
-        if os.environ.get("FASTBROKER_REQUIRED") == "1":
-            pytest.fail(f"cannot mount a tmpfs for the disk-full test: {error}")
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {error}")
-    try:
+    """A 1 MiB tmpfs: the Raft state file alone lives there."""
+    with mounted_tmpfs(tmp_path, "1m") as mount_point:
         yield mount_point
-    finally:
-        result = subprocess.run(["umount", str(mount_point)], capture_output=True, timeout=10)
-        if result.returncode != 0:
-            subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=10)
 
 
 def fill_up(path: Path) -> None:

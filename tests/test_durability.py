@@ -21,6 +21,7 @@ from brokers import HOST, free_port
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from tmpfs import mounted_tmpfs
 
 READY_TIMEOUT = 15.0
 
@@ -218,22 +219,10 @@ def test_a_data_dir_in_use_by_another_broker_is_refused(tmp_path, brokers):
 
 
 @pytest.fixture
-def small_fs(tmp_path) -> Iterator[Path]:
-    mount = tmp_path / "fs"
-    mount.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)],
-        capture_output=True,
-        timeout=10,
-    )
-    if result.returncode != 0:
-        if os.environ.get("FASTBROKER_REQUIRED") == "1":
-            pytest.fail(f"cannot mount a tmpfs for the disk-full test: {result.stderr!r}")
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=10)
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 24 MiB tmpfs."""
+    with mounted_tmpfs(tmp_path, "24m") as mount_point:
+        yield mount_point
 
 
 @pytest.mark.timeout(120)

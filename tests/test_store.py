@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from tmpfs import mounted_tmpfs
 
 import fastbroker.store
 from fastbroker.store import Store, StoreError, StoreWriteError
@@ -624,26 +625,9 @@ def test_lock_of_a_killed_process_does_not_outlive_it(tmp_path: Path) -> None:
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """An 8 MiB tmpfs, unmounted at teardown whatever happens."""
-    mount_point = tmp_path / "fs"
-    mount_point.mkdir()
-    try:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)],
-            check=True,
-            capture_output=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError) as error:
-        if os.environ.get("FASTBROKER_REQUIRED") == "1":
-            pytest.fail(f"cannot mount a tmpfs for the disk-full test: {error}")
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {error}")
-    try:
+    """An 8 MiB tmpfs."""
+    with mounted_tmpfs(tmp_path, "8m") as mount_point:
         yield mount_point
-    finally:
-        result = subprocess.run(["umount", str(mount_point)], capture_output=True, timeout=10)
-        if result.returncode != 0:
-            subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=10)
 
 
 def fill(store: Store, first: int) -> tuple[int, StoreWriteError]:
