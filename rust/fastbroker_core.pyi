@@ -1,6 +1,6 @@
 """Compiled data plane of fastbroker: MQTT codec and broker engine (Rust, PyO3)."""
 
-from typing import Any, final
+from typing import Any, ClassVar, final
 
 __version__: str
 
@@ -82,6 +82,40 @@ def encode_packet(packet: dict[str, Any], protocol: int = 5) -> bytes:
     (list of ``[key, value]`` string pairs, in order, repeats allowed).
     """
 
+FEED_HOLD: int
+"""``Engine.feed`` result bit (1): stop reading the connection until ``take_resumed`` lists
+it."""
+FEED_PUBLISHER: int
+"""``Engine.feed`` result bit (2): the connection has sent at least one PUBLISH."""
+
+@final
+class Permissions:
+    """What a connection may do: allow-only rules ``(rights, topic filter)``; whatever no rule
+    grants is denied. Immutable; one object may serve many connections.
+
+    Rights are a mask of ``PUBLISH`` (1: publish to topics the filter matches), ``SUBSCRIBE``
+    (2: subscribe to filters inside the filter: ``a/#`` covers ``a/b/+``, ``a/+`` does not
+    cover ``a/#``; a ``$share/g/f`` subscription is judged by ``f``) and ``READ`` (4: receive
+    messages on topics the filter matches). Filters are plain (no ``$share/``); a filter
+    starting with a wildcard grants no ``$`` topic. Substitutions such as ``%c`` are the
+    caller's to make.
+    """
+
+    PUBLISH: ClassVar[int]
+    SUBSCRIBE: ClassVar[int]
+    READ: ClassVar[int]
+
+    def __new__(cls, rules: list[tuple[int, str]]) -> Permissions:
+        """Raises ValueError naming the first bad rule (invalid or shared filter, rights
+        outside 0..7)."""
+    @property
+    def rules(self) -> list[tuple[int, str]]:
+        """The rules as given."""
+    def allows(self, right: int, topic: str) -> bool:
+        """Whether ``right`` (one of PUBLISH, SUBSCRIBE, READ) is granted on topic ``topic``."""
+    def covers(self, right: int, filter: str) -> bool:
+        """Whether every topic ``filter`` can match is granted ``right``."""
+
 @final
 class Engine:
     """The broker: sessions, subscriptions, retained messages, QoS flows, all in Rust.
@@ -97,13 +131,110 @@ class Engine:
         max_inflight, max_queued_messages, max_queued_bytes, topic_alias_maximum,
         outgoing_topic_aliases, maximum_qos, retain_available, max_session_expiry,
         connect_timeout_ms, denied_subscriptions (list of filters), max_client_id_len,
-        version (str, for $SYS). Unknown keys or bad values raise ValueError."""
+        version (str, for $SYS), max_retained_messages, max_retained_size, durable,
+        compress_above, and these, all off by default:
+
+        - ``auth_required`` (bool): every CONNECT waits for ``auth_done`` (see
+          ``auth_requests``).
+        - ``max_connections`` (int, 0 = no limit): a CONNECT when this many connections are
+          up is refused, MQTT 5 0x97, 3.1.1 return code 3 (a takeover does not count twice).
+        - ``max_publish_rate`` (int, PUBLISH per second per connection, 0 = no limit; burst =
+          the rate): past it the connection is held (``FEED_HOLD``), nothing is dropped.
+        - ``max_conn_buffer`` (int, bytes, default 1 MiB): a connection waiting for its
+          authentication decision is held past this much buffered input.
+        - ``intercept`` (bool): client publishes wait in ``take_intercepted`` for
+          ``release``.
+        - ``max_intercepted`` (int, default 64): a connection with this many publishes
+          pending release is held.
+
+        Unknown keys or bad values raise ValueError."""
     def open(self, now_ms: int) -> int:
         """A new network connection; returns its connection id."""
-    def feed(self, conn: int, data: bytes, now_ms: int) -> None:
-        """Bytes read from connection ``conn``."""
-    def closed(self, conn: int, now_ms: int) -> None:
-        """The connection is gone (by the peer or after ``drain`` asked to close it)."""
+    def feed(self, conn: int, data: bytes, now_ms: int) -> int:
+        """Bytes read from connection ``conn``; returns ``FEED_HOLD`` | ``FEED_PUBLISHER``
+        bits. After ``FEED_HOLD`` the caller stops reading ``conn`` until ``take_resumed``
+        lists it (its bytes stay buffered in the engine; a held connection is not timed out
+        by its keepalive). Without limits configured the result is 0 or FEED_PUBLISHER."""
+    def closed(self, conn: int, now_ms: int, reason: str | None = None) -> None:
+        """The connection is gone (by the peer or after ``drain`` asked to close it);
+        ``reason`` is the access log's reason when the engine did not ask for it (default
+        "connection lost")."""
+    def take_resumed(self) -> list[int]:
+        """Held connections that may be read again, since the last call."""
+    def has_resumed(self) -> bool:
+        """Whether ``take_resumed`` has anything to return."""
+    def has_auth_requests(self) -> bool:
+        """Whether ``auth_requests`` has anything to return."""
+    def auth_requests(
+        self,
+    ) -> list[tuple[int, str, str, str | None, bytes | None, int, str | None, bytes | None]]:
+        """Authentication questions since the last call: ``(conn, kind, client_id, username,
+        password, protocol_level, auth_method, auth_data)``. ``kind`` is "connect" (a
+        CONNECT; ``client_id`` is the one the engine assigns when it was empty), "auth" (the
+        client's AUTH 0x18 answer after ``auth_continue``) or "reauth" (MQTT 5 AUTH 0x19 on
+        an established connection). Each is answered by ``auth_done`` or ``auth_continue``;
+        until then a connecting client's input is buffered and the connect timeout runs. A
+        closed connection's id is not reused before its answer (or 60 s)."""
+    def auth_done(
+        self,
+        conn: int,
+        reason_code: int,
+        permissions: Permissions | None = None,
+        now_ms: int = 0,
+        auth_method: str | None = None,
+        auth_data: bytes | None = None,
+        reason: str | None = None,
+    ) -> None:
+        """The decision on ``conn``'s request. 0 accepts: the CONNECT goes on (takeover,
+        session, CONNACK carrying ``auth_method``/``auth_data`` for MQTT 5) and input buffered
+        meanwhile is handled; for "reauth", AUTH 0x00 is sent. Any other code refuses with
+        that MQTT 5 reason code (3.1.1: 0x86 -> 4, 0x87 -> 5, 0x84 -> 1, 0x85 -> 2, others ->
+        3), ``reason`` as reason string if the client allows it, then closes; for "reauth",
+        DISCONNECT with the code. ``permissions`` replaces the connection's (None = all
+        allowed); a will whose topic they do not let the client publish refuses the CONNECT
+        with 0x87. Unknown or closed connections are ignored. Check ``has_output`` after."""
+    def auth_continue(
+        self, conn: int, auth_method: str, auth_data: bytes | None, now_ms: int
+    ) -> None:
+        """Sends AUTH 0x18 (continue authentication) with ``auth_method`` and ``auth_data``;
+        the client's AUTH answer becomes an "auth" request (another method: refused with
+        0x8C). Refuses with 0x8C a CONNECT that had no Authentication Method."""
+    def set_permissions(self, conn: int, permissions: Permissions | None) -> None:
+        """Replaces ``conn``'s permissions for its next publishes, subscribes and
+        deliveries."""
+    def has_intercepted(self) -> bool:
+        """Whether ``take_intercepted`` has anything to return."""
+    def take_intercepted(
+        self,
+    ) -> list[tuple[int, int, str, str | None, str, bytes, int, bool]]:
+        """Client publishes intercepted since the last call (config ``intercept``), in
+        arrival order: ``(ticket, conn, client_id, username, topic, payload, qos, retain)``.
+        Tickets increase. None is routed or acknowledged before its ``release``."""
+    def release(
+        self,
+        ticket: int,
+        action: int,
+        topic: str | None = None,
+        payload: bytes | None = None,
+        now_ms: int = 0,
+    ) -> None:
+        """Decides an intercepted publish: ``action`` 0 routes it (``topic``/``payload``
+        replace the message's when given; an invalid topic makes it 2), 1 drops it
+        (acknowledged as a success), 2 denies it (MQTT 5 PUBACK/PUBREC 0x87, 3.1.1 positive).
+        The PUBACK / PUBREC goes out now. A message whose publisher has gone is still routed
+        on 0. Unknown tickets are ignored; another action raises ValueError."""
+    def has_access_events(self) -> bool:
+        """Whether ``take_access_events`` has anything to return."""
+    def take_access_events(self) -> list[tuple[str, int, str, str | None, int, int, str]]:
+        """Access log since the last call: ``(kind, conn, client_id, username,
+        protocol_level, reason_code, reason)``. ``kind``: "connect" (accepted, code 0);
+        "refused" (CONNACK with an error code, or closed before CONNACK: malformed CONNECT,
+        connect timeout, gone during authentication; code 0 when no code was sent);
+        "disconnect" (every end of an accepted connection: the client's DISCONNECT code,
+        0x8D keepalive timeout, 0x8E takeover, a protocol error's code, 0 for "connection
+        lost"). Every accepted connection gets one "connect" and one "disconnect". Protocol
+        level 0: no CONNECT was read. At most 100,000 are kept (the oldest dropped, counted
+        in stats ``access_events_dropped``)."""
     def set_writable(self, conn: int, writable: bool, now_ms: int) -> None:
         """Transport write buffer above (False) or back below (True) its high-water mark."""
     def tick(self, now_ms: int) -> None:
@@ -136,10 +267,14 @@ class Engine:
         retained, orphans, expired_sessions."""
     def events(self) -> list[tuple[str, str, str]]:
         """Log events since the last call: ``(kind, client_id, detail)``, kind one of
-        ``connect``, ``disconnect``, ``takeover``, ``protocol_error``, ``drop``."""
+        ``connect``, ``disconnect``, ``takeover``, ``protocol_error``, ``connect_refused``,
+        ``retained_refused``, ``publish_denied`` (detail: the topic), ``subscribe_denied``
+        (detail: the filter)."""
     def stats(self) -> dict[str, int]:
         """Counters: clients_connected, sessions, subscriptions, retained, messages_received,
-        messages_sent, bytes_received, bytes_sent, publish_dropped, inflight, queued."""
+        messages_sent, bytes_received, bytes_sent, publish_dropped, inflight, queued,
+        queued_bytes, publish_denied, subscribe_denied, connections_refused,
+        access_events_dropped, held_connections, intercepted_pending, auth_pending."""
 
 # ---- cluster wire format: frames between nodes ----------------------------------------------
 #
@@ -194,3 +329,46 @@ class FrameDecoder:
     @property
     def buffered(self) -> int:
         """Bytes held waiting for the rest of a frame."""
+
+# --- WebSocket ---------------------------------------------------------------------------
+# Server-side framing of MQTT over WebSocket (RFC 6455). The opening handshake is done in
+# Python (fastbroker.websocket); every frame after it goes through this codec.
+
+@final
+class WebSocketCodec:
+    """The frames of one WebSocket connection, server side.
+
+    Client frames are decoded as a stream: the payload of binary and continuation frames is
+    returned as soon as its bytes arrive, whatever the frame and read boundaries; only a
+    partial frame header or control frame is held between calls.
+    """
+
+    def __new__(cls, max_message_size: int = 268435460) -> WebSocketCodec:
+        """``max_message_size`` (at least 1) bounds one frame's payload and one fragmented
+        message's total; past it the connection is closed with status 1009."""
+    def decode(self, data: bytes | bytearray) -> tuple[bytes, bytes, int | None]:
+        """Decodes ``data``, the next bytes from the client: returns ``(payload, replies,
+        close_code)``.
+
+        ``payload``: the application bytes (the MQTT stream) in ``data``. ``replies``: frames
+        to send back (a pong per ping, a close frame). ``close_code``: None while the
+        connection stays open; else the status code of the close that ends it, after
+        ``replies`` is written: the client's own (echoed; 1005 when its close frame had no
+        code) or the one for the violation found: 1002 protocol error (an unmasked frame,
+        reserved bits, unknown opcode, a fragmented or over-125-byte control frame, a
+        continuation outside a message, an invalid close code), 1003 a text frame (MQTT is
+        binary), 1007 a close reason that is not UTF-8, 1009 too big. Once closed, every
+        later call returns ``(b"", b"", code)`` with the same code.
+        """
+    def encode(self, data: bytes | bytearray) -> bytes:
+        """``data`` as one unmasked binary frame with FIN set (minimal length encoding)."""
+    def close_frame(self, code: int = 1000, reason: str = "") -> bytes:
+        """A close frame with ``code`` and ``reason`` (cut to fit 123 bytes on a character
+        boundary). Raises ValueError for a code that may not be sent: only 1000-1003, 1007-1014
+        and 3000-4999 may."""
+    @property
+    def closed(self) -> int | None:
+        """The close code once decoding has ended (as ``decode`` returned it), else None."""
+    @property
+    def buffered(self) -> int:
+        """Bytes held from a partial frame header or control frame."""

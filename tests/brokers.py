@@ -51,7 +51,8 @@ FASTBROKER_MQTT_OPTIONS = {
     "max_client_id_len",
 }
 # Options that live outside [mqtt] in fastbroker's config.
-FASTBROKER_OTHER_OPTIONS = {"sys_interval", "write_buffer_high", "log_level"}
+# extra_toml: raw TOML appended to the config (e.g. "[limits]\nmax_connections = 3").
+FASTBROKER_OTHER_OPTIONS = {"sys_interval", "write_buffer_high", "log_level", "extra_toml"}
 
 
 def free_port(host: str = HOST) -> int:
@@ -257,6 +258,8 @@ def fastbroker_config(workdir: Path, port: int, options: dict) -> str:
     ]
     for key in sorted(set(options) & FASTBROKER_MQTT_OPTIONS):
         lines.append(f"{key} = {_toml_value(options[key])}")
+    if options.get("extra_toml"):
+        lines += ["", options["extra_toml"]]
     return "\n".join(lines) + "\n"
 
 

@@ -3,9 +3,17 @@ configs, /proc parsing, ratio math, the table, the JSON line schema, the baselin
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import dataclasses
+import hashlib
 import importlib.util
 import json
+import os
+import shutil
+import ssl
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -183,6 +191,7 @@ def test_round_ratios_pair_rounds():
     assert bench.spread([2.0, 3.0, 1.0]) == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 3}
     assert bench.spread([]) is None
     assert bench.fmt_ratio([1.0, 2.0, 4.0]) == "1.00-2.00-4.00"
+    assert bench.fmt_ratio([0.0026, 0.0031, 0.06]) == "0.0026-0.0031-0.06"
 
 
 def test_rows_and_table():
@@ -380,3 +389,315 @@ def test_run_notes():
     assert "FAILED run: pairs mosquitto round 2: RuntimeError: boom" in notes
     loopback = [measurement("loopback", "none", 1, {"mb_per_s": 900.0}, lg_cpu=150.0)]
     assert bench.run_notes(loopback) == []  # the loopback copy is all loadgen, by design
+
+
+# --------------------------------------------------------------------------- security scenarios
+
+
+def test_security_scenarios_are_opt_in_and_follow_the_loadgen_contract():
+    settings = bench.Settings(duration=5, warmup=1)
+    security = {s.name: s for s in bench.security_scenarios(settings)}
+    assert tuple(security) == bench.SECURITY_NAMES
+    for default in (bench.default_scenarios(settings), bench.default_scenarios(bench.QUICK)):
+        assert not set(security) & {s.name for s in default}
+    picked = bench.select_scenarios(
+        bench.default_scenarios(settings), "security", extra=list(security.values())
+    )
+    assert [s.name for s in picked] == list(bench.SECURITY_NAMES)
+    picked = bench.select_scenarios(
+        bench.default_scenarios(settings), "fan-in,pairs-tls", extra=list(security.values())
+    )
+    assert [s.name for s in picked] == ["fan-in", "pairs-tls"]
+    with pytest.raises(SystemExit):  # not known without the extra pool
+        bench.select_scenarios(bench.default_scenarios(settings), "security")
+
+    standard = {s.name: s for s in bench.build_scenarios(settings)}
+    # Each at the load of a standard scenario, plus only its security options.
+    acl_args = security["fan-in-acl"].loadgen_args(settings)
+    assert acl_args == [*standard["fan-in"].loadgen_args(settings), "--username", "bench"]
+    tls_args = security["pairs-tls"].loadgen_args(settings)
+    assert tls_args == [*standard["pairs"].loadgen_args(settings), "--tls-ca", "{tls_ca}"]
+    ws_args = security["pairs-ws"].loadgen_args(settings)
+    assert ws_args == [*standard["pairs"].loadgen_args(settings), "--ws-path", "/mqtt"]
+    auth = " ".join(security["connect-auth"].loadgen_args(settings))
+    plain = " ".join(security["connect-plain"].loadgen_args(settings))
+    assert auth == plain + f" --username bench --password {bench.BENCH_PASSWORD}"
+    assert "--count 300 --hold 0.5 --concurrency 32" in plain
+    assert security["connect-auth"].params(settings)["security"]["passwords"] is True
+    assert security["connect-plain"].security is None
+
+
+def test_acl_files_say_the_same_rules_in_each_brokers_words():
+    assert 18 <= len(bench.ACL_RULES) <= 25
+    fb = bench.acl_text("fastbroker")
+    mq = bench.acl_text("mosquitto")
+    for text in (fb, mq):
+        rules = [line for line in text.splitlines() if line.startswith(("topic ", "pattern "))]
+        assert len(rules) == len(bench.ACL_RULES)
+        assert any("%c" in r for r in rules) and any("%u" in r for r in rules)
+        assert "user bench" in text.splitlines()
+    # The two rules that allow fan-in's traffic.
+    assert "pattern publish %u/in/+" in fb.splitlines()
+    assert "pattern write %u/in/+" in mq.splitlines()
+    assert "topic subscribe,read bench/in/+" in fb.splitlines()
+    assert "topic read bench/in/+" in mq.splitlines()
+    assert "subscribe" not in mq and "publish" not in mq
+    # Nothing before the first user line but patterns (mosquitto's topic lines there would
+    # apply to anonymous clients only).
+    head = fb.split("\nuser ", 1)[0]
+    assert "\ntopic " not in head
+    acl = pytest.importorskip("fastbroker.auth.acl")
+    parsed = acl.Acl.parse(fb)
+    granted = dict((f, m) for m, f in parsed.permissions_for("bench", "c1"))
+    assert "bench/in/+" in granted and "users/bench/#" in granted
+    assert "mallory/in/+" in dict((f, m) for m, f in parsed.permissions_for("mallory", "c1"))
+
+
+def test_security_configs(tmp_path):
+    assets = bench.SecurityAssets(
+        tmp_path,
+        *(tmp_path / n for n in ("ca.pem", "s.pem", "s.key", "fb.pw", "mq.pw", "fb.acl", "mq.acl")),
+    )
+    acl, pw = bench.Security(acl=True), bench.Security(passwords=True)
+    tls, ws = bench.Security(transport="tls"), bench.Security(transport="ws")
+
+    def mosq(sec, **kw):
+        return bench.mosquitto_config_text(18830, False, None, "", sec, assets, **kw).splitlines()
+
+    lines = mosq(acl)
+    assert f"acl_file {assets.mosquitto_acl}" in lines and "allow_anonymous true" in lines
+    lines = mosq(pw)
+    assert f"password_file {assets.mosquitto_passwords}" in lines
+    assert "allow_anonymous false" in lines and "allow_anonymous true" not in lines
+    lines = mosq(tls)
+    assert lines[:3] == [
+        "listener 18830 127.0.0.1",
+        f"certfile {assets.cert}",
+        f"keyfile {assets.key}",
+    ]
+    assert mosq(ws, aux_port=18831)[:3] == [
+        "listener 18831 127.0.0.1",
+        "listener 18830 127.0.0.1",
+        "protocol websockets",
+    ]
+    with pytest.raises(ValueError):
+        mosq(ws)
+    for line in ("max_queued_messages 0", "set_tcp_nodelay true"):  # limits still lifted
+        assert line in mosq(tls)
+
+    def fb(sec):
+        return tomllib.loads(
+            bench.fastbroker_config_text(18830, str(tmp_path / "d"), None, sec, assets)
+        )
+
+    assert fb(acl)["auth"] == {"acl_file": str(assets.fastbroker_acl)}
+    assert fb(acl)["listener"] == {"host": "127.0.0.1", "port": 18830}
+    assert fb(pw)["auth"] == {"password_file": str(assets.fastbroker_passwords)}
+    config = fb(tls)
+    assert "listener" not in config and "auth" not in config
+    assert config["listeners"] == [
+        {
+            "type": "tls",
+            "host": "127.0.0.1",
+            "port": 18830,
+            "certfile": str(assets.cert),
+            "keyfile": str(assets.key),
+        }
+    ]
+    assert fb(ws)["listeners"] == [
+        {"type": "ws", "host": "127.0.0.1", "port": 18830, "path": "/mqtt"}
+    ]
+    assert fb(None)["mqtt"] == {}  # the targets are for default settings
+    # No --host/--port on a TLS or WebSocket broker's command line (it would open TCP too).
+    work = tmp_path / "w"
+    work.mkdir()
+    assert "--port" not in bench.broker_command("fastbroker", 18830, work, None, tls, assets)
+    assert "--port" in bench.broker_command("fastbroker", 18830, work, None, acl, assets)
+
+
+# --------------------------------------------------------------------------- security, live
+# Each broker started briefly with the generated config and files, then one client that the
+# feature lets in and one that it keeps out: the config is valid and the feature is on.
+
+from tests import rawmqtt  # noqa: E402
+
+
+def need_broker_tools(kind: str) -> None:
+    if kind == "mosquitto" and bench.mosquitto_executable() is None:
+        pytest.skip("mosquitto is not installed")
+    if shutil.which("openssl") is None or shutil.which("mosquitto_passwd") is None:
+        pytest.skip("needs openssl and mosquitto_passwd")
+
+
+@pytest.fixture(scope="module")
+def security_base(tmp_path_factory):
+    if shutil.which("openssl") is None or shutil.which("mosquitto_passwd") is None:
+        pytest.skip("needs openssl and mosquitto_passwd")
+    base = tmp_path_factory.mktemp("bench-security")
+    assets = bench.security_assets(base)  # made once, reused by every broker below
+    yield base, assets
+    bench._assets.pop(base, None)
+
+
+@contextlib.contextmanager
+def running(kind: str, base: Path, security):
+    broker = bench.start_broker(kind, base, None, security)
+    try:
+        yield broker
+    finally:
+        bench.stop_process(broker.proc)
+        shutil.rmtree(broker.workdir, ignore_errors=True)
+
+
+def connack(sock, **connect_kw) -> int:
+    sock.sendall(rawmqtt.connect(connect_kw.pop("client_id", "c"), **connect_kw))
+    return rawmqtt.parse_connack(rawmqtt.read_packet(sock, 5.0)).reason
+
+
+BROKER_KINDS = ["fastbroker", "mosquitto"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", BROKER_KINDS)
+def test_live_acl_allows_the_fan_in_traffic_and_nothing_else(kind, security_base):
+    need_broker_tools(kind)
+    base, _ = security_base
+    with running(kind, base, bench.Security(acl=True)) as b:
+        sub, _ = rawmqtt.connect_client(bench.HOST, b.port, "sub", username="bench", timeout=5)
+        good, _ = rawmqtt.connect_client(bench.HOST, b.port, "p1", username="bench", timeout=5)
+        bad, _ = rawmqtt.connect_client(bench.HOST, b.port, "p2", username="mallory", timeout=5)
+        with sub, good, bad:
+            sub.sendall(rawmqtt.subscribe(1, [("bench/in/+", 0)]))
+            assert rawmqtt.parse_suback(rawmqtt.read_packet(sub, 5.0)).reasons == [0]
+            # mallory's %u pattern is mallory/in/+: not allowed to publish here.
+            bad.sendall(rawmqtt.publish("bench/in/02", b"denied"))
+            good.sendall(rawmqtt.publish("bench/in/01", b"allowed"))
+            got = rawmqtt.parse_publish(rawmqtt.read_packet(sub, 5.0))
+            assert (got.topic, got.payload) == ("bench/in/01", b"allowed")
+            bad.sendall(rawmqtt.publish("bench/in/03", b"denied"))
+            with pytest.raises(TimeoutError):
+                rawmqtt.read_packet(sub, 0.5)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", BROKER_KINDS)
+def test_live_password_file_checks_the_bench_password(kind, security_base):
+    need_broker_tools(kind)
+    base, _ = security_base
+    with running(kind, base, bench.Security(passwords=True)) as b:
+        pw = bench.BENCH_PASSWORD.encode()
+        for user, password, accepted in [
+            ("bench", pw, True),
+            ("bench", b"wrong", False),
+            (None, None, False),  # anonymous: refused once a password file is there
+        ]:
+            with rawmqtt.open_socket(bench.HOST, b.port, 5.0) as sock:
+                code = connack(sock, username=user, password=password)
+                assert (code == 0) is accepted, (user, password, code)
+                if not accepted:
+                    assert code in (4, 5)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", BROKER_KINDS)
+def test_live_tls_listener(kind, security_base):
+    need_broker_tools(kind)
+    base, assets = security_base
+    context = ssl.create_default_context(cafile=str(assets.ca))  # checks the name too
+    with running(kind, base, bench.Security(transport="tls")) as b:
+        raw = rawmqtt.open_socket(bench.HOST, b.port, 5.0)
+        with context.wrap_socket(raw, server_hostname=bench.HOST) as sock:
+            assert sock.version() in ("TLSv1.2", "TLSv1.3")
+            assert connack(sock) == 0
+        with rawmqtt.open_socket(bench.HOST, b.port, 5.0) as sock:  # MQTT without TLS
+            sock.sendall(rawmqtt.connect("plain"))
+            with pytest.raises((rawmqtt.Closed, TimeoutError)):
+                rawmqtt.read_packet(sock, 3.0)
+
+
+def ws_recv_frame(sock) -> tuple[int, bytes]:
+    deadline = time.monotonic() + 5.0
+    head = rawmqtt._recv_exact(sock, 2, deadline)
+    length = head[1] & 0x7F
+    if length == 126:
+        length = int.from_bytes(rawmqtt._recv_exact(sock, 2, deadline), "big")
+    return head[0] & 0x0F, rawmqtt._recv_exact(sock, length, deadline)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", BROKER_KINDS)
+def test_live_websocket_listener(kind, security_base):
+    need_broker_tools(kind)
+    base, _ = security_base
+    with running(kind, base, bench.Security(transport="ws")) as b:
+        key = base64.b64encode(os.urandom(16)).decode()
+        with rawmqtt.open_socket(bench.HOST, b.port, 5.0) as sock:
+            sock.sendall(
+                (
+                    f"GET {bench.WS_PATH} HTTP/1.1\r\nHost: {bench.HOST}:{b.port}\r\n"
+                    "Upgrade: websocket\r\nConnection: Upgrade\r\n"
+                    f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                    "Sec-WebSocket-Protocol: mqtt\r\n\r\n"
+                ).encode()
+            )
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += rawmqtt._recv_exact(sock, 1, time.monotonic() + 5.0)
+            assert head.startswith(b"HTTP/1.1 101"), head
+            accept = base64.b64encode(
+                hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest()
+            )
+            assert accept in head
+            mask = os.urandom(4)
+            data = rawmqtt.connect("ws-client")
+            masked = bytes(c ^ mask[i % 4] for i, c in enumerate(data))
+            sock.sendall(bytes([0x82, 0x80 | len(data)]) + mask + masked)
+            opcode, payload = ws_recv_frame(sock)
+            assert opcode == 2 and payload[:1] == b"\x20" and payload[3] == 0  # CONNACK 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["fan-in-acl", "connect-auth", "pairs-tls", "pairs-ws"])
+def test_live_loadgen_runs_each_security_scenario(name, security_base):
+    """The harness's own path (broker start, loadgen options, {tls_ca}) with the real loadgen,
+    at a light load: every client gets through the feature and messages arrive."""
+    for kind in BROKER_KINDS:
+        need_broker_tools(kind)
+    try:
+        loadgen = bench.find_loadgen(None, build=False)
+    except SystemExit:
+        pytest.skip("the loadgen is not built (cargo build --release in bench/loadgen)")
+    base, _ = security_base
+    settings = bench.Settings(rounds=1, duration=0.4, warmup=0.2, hold=0.2, auth_connections=6)
+    sc = {s.name: s for s in bench.security_scenarios(settings)}[name]
+    if sc.command == "connections":
+        sc = dataclasses.replace(sc, options=(*sc.options, ("concurrency", "3")))
+    else:  # light: 2 publishers/pairs at 500 msg/s in all
+        light = {"publishers": "2", "pairs": "2"}
+        options = tuple((k, light.get(k, v)) for k, v in sc.options)
+        sc = dataclasses.replace(sc, options=(*options, ("rate", "500")))
+    for kind in BROKER_KINDS:
+        m = bench.measure(sc, kind, 1, 1, settings, loadgen, base)
+        assert m.ok, m.error
+        lg = m.loadgen or {}
+        if sc.command == "connections":
+            assert m.figures["connected"] == 6 and m.figures["errors"] == 0
+            assert lg["params"]["username"] == "bench" and lg["params"]["password"] is True
+        else:
+            assert m.figures["delivered_per_s"] > 0
+            assert m.figures["delivery_ratio"] > 0.5
+            assert lg["params"]["transport"] == sc.security.transport
+            if sc.security.transport == "tls":
+                assert lg["params"]["tls"].startswith("TLSv1_")
+
+
+def test_hash_costs_are_measured_on_the_brokers_own_files(security_base):
+    _, assets = security_base
+    costs = bench.measure_hash_costs(assets)
+    fb, mq = costs["fastbroker"], costs["mosquitto"]
+    assert fb["verified"] and mq["verified"]  # the same computation as the brokers'
+    assert fb["hash"].startswith("scrypt ln=14 r=8 p=1")
+    assert mq["hash"].startswith("PBKDF2-SHA512")
+    assert fb["ms_per_check"] > mq["ms_per_check"] > 0
+    with pytest.raises(RuntimeError):
+        bench.password_line(assets.mosquitto_passwords, "nobody")

@@ -31,9 +31,9 @@ class FeedPerFlush:
         self.current: dict[int, int] = {}
         self.max_per_flush = 0
 
-    def feed(self, conn: int, data: bytes, now: int) -> None:
+    def feed(self, conn: int, data: bytes, now: int) -> int:
         self.current[conn] = self.current.get(conn, 0) + len(data)
-        self.engine.feed(conn, data, now)
+        return self.engine.feed(conn, data, now)
 
     def drain(self):
         if self.current:

@@ -13,7 +13,7 @@ cdef class Server:
     cdef readonly object engine
     cdef object loop
     # Index = engine connection id; None where no connection is open.
-    cdef list connections
+    cdef readonly list connections
     cdef bint flush_scheduled
     cdef readonly Py_ssize_t write_buffer_high
     cdef readonly Py_ssize_t write_buffer_low
@@ -40,6 +40,25 @@ cdef class Server:
     cdef object failed_ops
     cdef object store_retry_handle
     cdef object sync_handle
+    # Control-plane hooks (fastbroker.auth, fastbroker.access_log); None when unused. Each is
+    # called with a batch the engine produced, at most once per flush.
+    cdef public object auth_handler
+    cdef public object intercept_handler
+    cdef public object access_handler
+    # Overload protection (fastbroker.overload): while memory_pressure is set, connections
+    # that publish are not read (backpressure); they wait in memory_held.
+    cdef readonly bint memory_pressure
+    cdef set memory_held
+    # Sockets beyond this many are dropped on accept (0 = no cap), and at most connection_rate
+    # accepted per second (0 = no limit; a token bucket with a one-second burst).
+    cdef public Py_ssize_t max_sockets
+    cdef public double connection_rate
+    cdef double accept_tokens
+    cdef uint64_t accept_refill_ms
+    cdef readonly uint64_t sockets_refused
+    cdef Py_ssize_t socket_count
+    # Set by close_connections: connections ending now are logged as a server shutdown.
+    cdef bint shutting_down
 
     cpdef schedule_flush(self)
     cpdef flush(self)
@@ -50,6 +69,9 @@ cdef class Server:
     cdef reset_read_budgets(self)
     cdef bint write_store_ops(self) except -1
     cdef set_reading_all(self, bint reading)
+    cdef run_hooks(self)
+    cdef take_resumed(self)
+    cdef bint admit(self)
 
 
 @cython.final
@@ -60,6 +82,17 @@ cdef class Connection:
     cdef bint paused
     cdef bint reading_paused
     cdef Py_ssize_t fed_bytes
+    # The engine asked not to be fed (publish rate, interception backlog, pending auth), and
+    # memory pressure stopped reading this publisher: reading resumes only when neither holds.
+    cdef bint held
+    cdef bint memory_held
+    # Already let in by a listener adapter at accept, before its handshake (TLS, WebSocket,
+    # PROXY): the connection limits are not applied twice.
+    cdef public bint admitted
+    # Set by the listener (fastbroker.listeners) before connection_made: "listener", "peer",
+    # "cert_cn", "use_identity_as_username", "transport", "proxy"; None if not from one.
+    cdef public object info
 
     cdef pause(self)
     cdef resume(self)
+    cdef bint may_read(self)

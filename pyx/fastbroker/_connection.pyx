@@ -74,10 +74,46 @@ cdef class Server:
         self.engine_has_output = engine.has_output
         self.loop_call_soon = loop.call_soon
         self.flush_callback = self.flush
+        self.auth_handler = None
+        self.intercept_handler = None
+        self.access_handler = None
+        self.memory_pressure = False
+        self.memory_held = set()
+        self.max_sockets = 0
+        self.connection_rate = 0.0
+        self.accept_tokens = 0.0
+        self.accept_refill_ms = 0
+        self.sockets_refused = 0
+        self.socket_count = 0
+        self.shutting_down = False
 
     def new_connection(self):
         """Protocol factory for ``loop.create_server``."""
         return Connection(self)
+
+    def conn_info(self, Py_ssize_t conn_id, bint keep=True):
+        """The listener's details of connection ``conn_id`` (Connection.info), or None.
+
+        Plain TCP connections share their listener's dict (no peer in it), so idle
+        connections cost no dict each; the peer is looked up when asked for. With ``keep``
+        the connection gets its own dict from then on, the same object at every call (the
+        authentication step tells connections apart by it); without, a passing copy (the
+        access log, which only reads it)."""
+        if conn_id < 0 or conn_id >= len(self.connections):
+            return None
+        entry = self.connections[conn_id]
+        if entry is None:
+            return None
+        connection = <Connection>entry
+        info = connection.info
+        if info is not None and info.get("peer") is None and connection.transport is not None:
+            info = dict(info)
+            peer = connection.transport.get_extra_info("peername")
+            if isinstance(peer, tuple) and len(peer) >= 2:
+                info["peer"] = (peer[0], peer[1])
+            if keep:
+                connection.info = info
+        return info
 
     @property
     def open_connections(self):
@@ -103,6 +139,7 @@ cdef class Server:
             self.reset_read_budgets()
         if self.paused:
             self.recheck_paused()
+        self.run_hooks()
         if self.store is not None and not self.write_store_ops():
             # Nothing goes out while state it depends on is not stored.
             return
@@ -154,11 +191,13 @@ cdef class Server:
         self.engine.set_wall_clock(<uint64_t>(time.time() * 1000), now)
         self.engine.tick(now)
         self.log_engine_events()
+        self.run_hooks()
         if self.engine.has_output():
             self.flush()
 
     def close_connections(self):
         """Sends pending output, then closes every connection (each still gets connection_lost)."""
+        self.shutting_down = True
         self.flush()
         for connection in list(self.connections):
             if connection is not None and (<Connection>connection).transport is not None:
@@ -169,6 +208,86 @@ cdef class Server:
         for connection in list(self.connections):
             if connection is not None and (<Connection>connection).transport is not None:
                 (<Connection>connection).transport.abort()
+
+    cdef run_hooks(self):
+        """Hands what the engine produced for the control plane to its handlers, and reads
+        again the connections the engine no longer holds. A few cheap checks when idle."""
+        engine = self.engine
+        if engine.has_resumed():
+            self.take_resumed()
+        if self.auth_handler is not None and engine.has_auth_requests():
+            self.auth_handler(engine.auth_requests())
+        if self.intercept_handler is not None and engine.has_intercepted():
+            self.intercept_handler(engine.take_intercepted())
+        if engine.has_access_events():
+            events = engine.take_access_events()
+            if self.access_handler is not None:
+                self.access_handler(events)
+
+    cdef take_resumed(self):
+        cdef Connection connection
+        cdef list connections = self.connections
+        for conn_id in self.engine.take_resumed():
+            if conn_id < 0 or conn_id >= len(connections) or connections[conn_id] is None:
+                continue
+            connection = <Connection>connections[conn_id]
+            if connection.held:
+                connection.held = False
+                if connection.may_read() and connection.transport is not None:
+                    connection.transport.resume_reading()
+
+    def set_memory_pressure(self, bint pressure):
+        """Past the memory high-water mark, publishers are not read; below it again, they
+        are. Subscribers are always read: their acknowledgements are what frees memory.
+        Returns how many connections are read again."""
+        cdef Connection connection
+        cdef Py_ssize_t resumed = 0
+        if pressure == self.memory_pressure:
+            return 0
+        self.memory_pressure = pressure
+        if pressure:
+            return 0
+        held = self.memory_held
+        self.memory_held = set()
+        for connection in held:
+            connection.memory_held = False
+            if connection.may_read() and connection.transport is not None:
+                connection.transport.resume_reading()
+                resumed += 1
+        return resumed
+
+    @property
+    def store_failing(self):
+        """Whether a store write is failing (output held, reading paused until it works)."""
+        return self.failed_ops is not None
+
+    @property
+    def memory_held_connections(self):
+        return len(self.memory_held)
+
+    def admit_socket(self):
+        """For listener adapters, at accept: whether the socket may be served (the socket cap
+        and accept rate), so a TLS or WebSocket flood is refused before its handshakes."""
+        if self.admit():
+            return True
+        self.sockets_refused += 1
+        return False
+
+    cdef bint admit(self):
+        """Whether a new socket may be served: under the socket cap and the accept rate."""
+        cdef uint64_t now
+        if self.max_sockets > 0 and self.socket_count >= self.max_sockets:
+            return False
+        if self.connection_rate > 0:
+            now = monotonic_now_ms()
+            self.accept_tokens = min(
+                self.connection_rate,
+                self.accept_tokens + (now - self.accept_refill_ms) * self.connection_rate / 1000.0)
+            self.accept_refill_ms = now
+            if self.accept_tokens < 1.0:
+                return False
+            self.accept_tokens -= 1.0
+        return True
 
     cdef register(self, Connection connection):
         cdef list connections = self.connections
@@ -202,7 +321,7 @@ cdef class Server:
             connection.fed_bytes = 0
             if connection.reading_paused:
                 connection.reading_paused = False
-                if connection.transport is not None:
+                if connection.may_read() and connection.transport is not None:
                     connection.transport.resume_reading()
 
     cdef bint write_store_ops(self) except -1:
@@ -284,7 +403,7 @@ cdef class Server:
             if connection.transport is None or connection.transport.is_closing():
                 continue
             if reading:
-                if not connection.reading_paused:
+                if connection.may_read():
                     connection.transport.resume_reading()
             else:
                 connection.transport.pause_reading()
@@ -309,8 +428,22 @@ cdef class Connection:
         self.paused = False
         self.reading_paused = False
         self.fed_bytes = 0
+        self.held = False
+        self.memory_held = False
+        self.admitted = False
+        self.info = None
+
+    cdef bint may_read(self):
+        return not (self.reading_paused or self.held or self.memory_held)
 
     def connection_made(self, transport):
+        cdef Server server = self.server
+        if not self.admitted and not server.admit():
+            # Refused before the engine sees it: a flood costs an accept and a close.
+            server.sockets_refused += 1
+            transport.abort()
+            return
+        server.socket_count += 1
         self.transport = transport
         transport.set_write_buffer_limits(high=self.server.write_buffer_high)
         sock = transport.get_extra_info("socket")
@@ -327,7 +460,19 @@ cdef class Connection:
 
     def data_received(self, data):
         cdef Server server = self.server
-        server.engine_feed(self.conn_id, data, monotonic_now_ms())
+        cdef int flags = server.engine_feed(self.conn_id, data, monotonic_now_ms())
+        if flags:
+            # 1: the engine holds this connection (rate limit, interception, authentication);
+            # 2: it publishes, and is not read while memory is under pressure.
+            if flags & 1 and not self.held:
+                self.held = True
+                if self.transport is not None:
+                    self.transport.pause_reading()
+            if flags & 2 and server.memory_pressure and not self.memory_held:
+                self.memory_held = True
+                server.memory_held.add(self)
+                if self.transport is not None:
+                    self.transport.pause_reading()
         if self.fed_bytes == 0:
             server.fed_connections.append(self)
         self.fed_bytes += len(data)
@@ -346,15 +491,25 @@ cdef class Connection:
     def connection_lost(self, exc):
         cdef Server server = self.server
         cdef Py_ssize_t conn_id = self.conn_id
+        if self.transport is None:
+            # Refused by admit(): never counted, never registered.
+            return
         self.transport = None
+        server.socket_count -= 1
         if self.paused:
             self.paused = False
             server.paused.discard(self)
+        if self.memory_held:
+            self.memory_held = False
+            server.memory_held.discard(self)
         if conn_id < 0:
             return
         self.conn_id = -1
+        server.engine.closed(conn_id, monotonic_now_ms(),
+                             "server shutdown" if server.shutting_down else None)
+        # The access log reads the connection's details, so they go before it is forgotten.
+        server.run_hooks()
         server.unregister(conn_id)
-        server.engine.closed(conn_id, monotonic_now_ms())
         # Closing may publish a will message or end a takeover: others may have output now.
         server.schedule_flush()
 

@@ -4,6 +4,7 @@
 //! - `topics`: topic validation, the subscription index and the retained-message tree.
 //! - `broker`: the sans-I/O broker engine (sessions, routing, QoS flows).
 //! - `cluster`: the inter-node wire format (frames of self-describing values).
+//! - `ws`: the WebSocket frame codec (MQTT over WebSocket).
 //! - `py`: the PyO3 module `fastbroker_core` (feature `python`).
 
 pub mod broker;
@@ -15,5 +16,8 @@ mod py;
 mod py_cluster;
 #[cfg(feature = "python")]
 mod py_codec;
+#[cfg(feature = "python")]
+mod py_ws;
 pub mod store;
 pub mod topics;
+pub mod ws;

@@ -1,11 +1,72 @@
 //! The Python module `fastbroker_core`: the codec (for tests and tools) and the engine.
 
+use std::sync::Arc;
+
+use bytes::Bytes;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
-use crate::broker::{Config, Engine, Value};
+use crate::broker::{acl, Config, Engine, Permissions, Value, Verdict};
 use crate::codec::QoS;
+
+/// Allow-only rules of what a connection may do; see `fastbroker_core.pyi`.
+#[pyclass(name = "Permissions", module = "fastbroker_core", frozen)]
+pub struct PyPermissions {
+    inner: Arc<Permissions>,
+}
+
+#[pymethods]
+impl PyPermissions {
+    #[classattr]
+    const PUBLISH: u8 = acl::PUBLISH;
+    #[classattr]
+    const SUBSCRIBE: u8 = acl::SUBSCRIBE;
+    #[classattr]
+    const READ: u8 = acl::READ;
+
+    #[new]
+    fn new(rules: Vec<(i64, String)>) -> PyResult<Self> {
+        let mut checked = Vec::with_capacity(rules.len());
+        for (rights, filter) in rules {
+            let rights = u8::try_from(rights).map_err(|_| {
+                PyValueError::new_err(format!(
+                    "rights {rights} of rule {filter:?} is not a mask of 1, 2 and 4"
+                ))
+            })?;
+            checked.push((rights, filter));
+        }
+        let inner = Permissions::new(checked).map_err(PyValueError::new_err)?;
+        Ok(PyPermissions {
+            inner: Arc::new(inner),
+        })
+    }
+
+    #[getter]
+    fn rules(&self) -> Vec<(u8, String)> {
+        self.inner.rules().to_vec()
+    }
+
+    fn allows(&self, right: u8, topic: &str) -> bool {
+        self.inner.allows(right, topic.as_bytes())
+    }
+
+    fn covers(&self, right: u8, filter: &str) -> bool {
+        self.inner.covers(right, filter)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Permissions({:?})", self.inner.rules())
+    }
+}
+
+fn permissions_of(p: Option<PyRef<'_, PyPermissions>>) -> Option<Arc<Permissions>> {
+    p.map(|p| p.inner.clone())
+}
+
+fn opt_bytes<'py>(py: Python<'py>, b: &Option<Bytes>) -> Option<Bound<'py, PyBytes>> {
+    b.as_ref().map(|b| PyBytes::new(py, b))
+}
 
 /// The broker engine; see `fastbroker_core.pyi` for the contract.
 #[pyclass(name = "Engine", module = "fastbroker_core", unsendable)]
@@ -54,12 +115,152 @@ impl PyEngine {
         self.inner.open(now_ms)
     }
 
-    fn feed(&mut self, conn: u32, data: &[u8], now_ms: u64) {
+    fn feed(&mut self, conn: u32, data: &[u8], now_ms: u64) -> u8 {
         self.inner.feed(conn, data, now_ms)
     }
 
-    fn closed(&mut self, conn: u32, now_ms: u64) {
-        self.inner.closed(conn, now_ms)
+    #[pyo3(signature = (conn, now_ms, reason=None))]
+    fn closed(&mut self, conn: u32, now_ms: u64, reason: Option<&str>) {
+        self.inner.closed_because(conn, now_ms, reason)
+    }
+
+    fn take_resumed(&mut self) -> Vec<u32> {
+        self.inner.take_resumed()
+    }
+
+    fn has_resumed(&self) -> bool {
+        self.inner.has_resumed()
+    }
+
+    fn has_auth_requests(&self) -> bool {
+        self.inner.has_auth_requests()
+    }
+
+    fn auth_requests<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for r in self.inner.take_auth_requests() {
+            let item = PyTuple::new(
+                py,
+                [
+                    r.conn.into_pyobject(py)?.into_any(),
+                    r.kind.into_pyobject(py)?.into_any(),
+                    (&*r.client_id).into_pyobject(py)?.into_any(),
+                    r.username.as_deref().into_pyobject(py)?.into_any(),
+                    opt_bytes(py, &r.password).into_pyobject(py)?.into_any(),
+                    r.protocol_level.into_pyobject(py)?.into_any(),
+                    r.auth_method.as_deref().into_pyobject(py)?.into_any(),
+                    opt_bytes(py, &r.auth_data).into_pyobject(py)?.into_any(),
+                ],
+            )?;
+            list.append(item)?;
+        }
+        Ok(list)
+    }
+
+    #[pyo3(signature = (conn, reason_code, permissions=None, now_ms=0, auth_method=None,
+        auth_data=None, reason=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn auth_done(
+        &mut self,
+        conn: u32,
+        reason_code: u8,
+        permissions: Option<PyRef<'_, PyPermissions>>,
+        now_ms: u64,
+        auth_method: Option<String>,
+        auth_data: Option<Vec<u8>>,
+        reason: Option<String>,
+    ) {
+        self.inner.auth_done(
+            conn,
+            reason_code,
+            permissions_of(permissions),
+            now_ms,
+            auth_method,
+            auth_data.map(Bytes::from),
+            reason,
+        )
+    }
+
+    #[pyo3(signature = (conn, auth_method, auth_data, now_ms))]
+    fn auth_continue(
+        &mut self,
+        conn: u32,
+        auth_method: String,
+        auth_data: Option<Vec<u8>>,
+        now_ms: u64,
+    ) {
+        self.inner
+            .auth_continue(conn, auth_method, auth_data.map(Bytes::from), now_ms)
+    }
+
+    #[pyo3(signature = (conn, permissions))]
+    fn set_permissions(&mut self, conn: u32, permissions: Option<PyRef<'_, PyPermissions>>) {
+        self.inner
+            .set_permissions(conn, permissions_of(permissions))
+    }
+
+    fn has_intercepted(&self) -> bool {
+        self.inner.has_intercepted()
+    }
+
+    fn take_intercepted<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for m in self.inner.take_intercepted() {
+            let topic = String::from_utf8_lossy(&m.topic);
+            list.append((
+                m.ticket,
+                m.conn,
+                &*m.client_id,
+                m.username.as_deref(),
+                topic,
+                PyBytes::new(py, &m.payload),
+                m.qos,
+                m.retain,
+            ))?;
+        }
+        Ok(list)
+    }
+
+    #[pyo3(signature = (ticket, action, topic=None, payload=None, now_ms=0))]
+    fn release(
+        &mut self,
+        ticket: u64,
+        action: u8,
+        topic: Option<&str>,
+        payload: Option<Vec<u8>>,
+        now_ms: u64,
+    ) -> PyResult<()> {
+        let verdict = match action {
+            0 => Verdict::Route,
+            1 => Verdict::Drop,
+            2 => Verdict::Deny,
+            _ => return Err(PyValueError::new_err("action must be 0, 1 or 2")),
+        };
+        self.inner
+            .release(ticket, verdict, topic, payload.map(Bytes::from), now_ms);
+        Ok(())
+    }
+
+    fn has_access_events(&self) -> bool {
+        self.inner.has_access_events()
+    }
+
+    fn take_access_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for (kind, conn, client_id, username, level, code, reason) in
+            self.inner.take_access_events()
+        {
+            list.append((
+                kind,
+                conn,
+                &*client_id,
+                username.as_deref(),
+                level,
+                code,
+                reason,
+            ))?;
+        }
+        Ok(list)
     }
 
     fn set_writable(&mut self, conn: u32, writable: bool, now_ms: u64) {
@@ -186,6 +387,14 @@ impl PyEngine {
         d.set_item("publish_dropped", s.publish_dropped)?;
         d.set_item("inflight", self.inner.inflight_count())?;
         d.set_item("queued", self.inner.queued_count())?;
+        d.set_item("queued_bytes", self.inner.queued_bytes())?;
+        d.set_item("publish_denied", s.publish_denied)?;
+        d.set_item("subscribe_denied", s.subscribe_denied)?;
+        d.set_item("connections_refused", s.connections_refused)?;
+        d.set_item("access_events_dropped", s.access_events_dropped)?;
+        d.set_item("held_connections", self.inner.held_count())?;
+        d.set_item("intercepted_pending", self.inner.intercepted_count())?;
+        d.set_item("auth_pending", self.inner.auth_pending_count())?;
         Ok(d)
     }
 }
@@ -193,8 +402,12 @@ impl PyEngine {
 #[pymodule]
 fn fastbroker_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("FEED_HOLD", crate::broker::FEED_HOLD)?;
+    m.add("FEED_PUBLISHER", crate::broker::FEED_PUBLISHER)?;
     m.add_class::<PyEngine>()?;
+    m.add_class::<PyPermissions>()?;
     crate::py_codec::register(m)?;
     crate::py_cluster::register(m)?;
+    crate::py_ws::register(m)?;
     Ok(())
 }

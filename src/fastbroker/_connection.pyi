@@ -1,6 +1,7 @@
 """Types of the Cython module built from pyx/fastbroker/_connection.pyx."""
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from fastbroker.store import Store
@@ -19,6 +20,14 @@ class Server:
     tick_interval: float
     read_budget: int
     store: Store | None
+    connections: list[Connection | None]
+    auth_handler: Callable[[list[tuple[Any, ...]]], Any] | None
+    intercept_handler: Callable[[list[tuple[Any, ...]]], Any] | None
+    access_handler: Callable[[list[tuple[Any, ...]]], Any] | None
+    memory_pressure: bool
+    max_sockets: int
+    connection_rate: float
+    sockets_refused: int
     def __init__(
         self,
         engine: Any,
@@ -29,8 +38,15 @@ class Server:
         store: Store | None = ...,
     ) -> None: ...
     def new_connection(self) -> Connection: ...
+    def conn_info(self, conn_id: int, keep: bool = ...) -> dict[str, Any] | None: ...
     @property
     def open_connections(self) -> int: ...
+    @property
+    def store_failing(self) -> bool: ...
+    @property
+    def memory_held_connections(self) -> int: ...
+    def set_memory_pressure(self, pressure: bool) -> int: ...
+    def admit_socket(self) -> bool: ...
     def schedule_flush(self) -> None: ...
     def flush(self) -> None: ...
     def start_ticking(self) -> None: ...
@@ -47,4 +63,6 @@ class Server:
 class Connection(asyncio.Protocol):
     conn_id: int
     transport: asyncio.Transport | None
+    info: dict[str, Any] | None
+    admitted: bool
     def __init__(self, server: Server) -> None: ...

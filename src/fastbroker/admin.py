@@ -4,7 +4,11 @@ A few fixed routes, so a small HTTP/1.1 server on asyncio streams does (no web f
 dependency): one request per connection, bounded sizes and a deadline so a slow or hostile
 client cannot hold it.
 
-  GET  /health          200 "ok" while the process serves
+  GET  /health          200 "ok" while the event loop runs (liveness)
+  GET  /ready           200 {"ready": true} when the broker can serve clients; else 503 with
+                        {"ready": false, "reasons": [...]} (readiness; 503 from the start of
+                        shutdown, so load balancers drain)
+  GET  /metrics         Prometheus text format (fastbroker.metrics)
   GET  /cluster/status  members, their state, partitions held, map version (JSON)
   POST /cluster/leave   this node leaves the cluster, then stops (JSON result)
   POST /debug/block     {"nodes": [...]}: cut links to those nodes; [] heals. Only with
@@ -19,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, NamedTuple
 
 logger = logging.getLogger("fastbroker.admin")
 
@@ -31,7 +35,15 @@ REQUEST_DEADLINE_S = 5.0
 MAX_CONCURRENT = 32
 ADMIN_HEADER = "x-fastbroker-admin"
 
-# (method, path, body) -> (status, JSON-able body)
+
+class Raw(NamedTuple):
+    """A response body sent as is, with its content type."""
+
+    content_type: str
+    data: bytes
+
+
+# (method, path, body) -> (status, body): a str (text/plain), a Raw, or a JSON-able value.
 Handler = Callable[[str, str, bytes], Awaitable[tuple[int, Any]]]
 
 REASONS = {
@@ -83,8 +95,12 @@ class AdminServer:
         except Exception:
             logger.exception("admin request failed")
             status, body = 500, {"error": "internal error"}
-        data = (body if isinstance(body, str) else json.dumps(body, indent=1) + "\n").encode()
-        content_type = "text/plain" if isinstance(body, str) else "application/json"
+        if isinstance(body, Raw):
+            content_type, data = body
+        elif isinstance(body, str):
+            content_type, data = "text/plain", body.encode()
+        else:
+            content_type, data = "application/json", (json.dumps(body, indent=1) + "\n").encode()
         head = (
             f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\n"
             f"Content-Type: {content_type}\r\nContent-Length: {len(data)}\r\n"
@@ -131,6 +147,46 @@ class AdminServer:
         return method, target.split("?", 1)[0], body
 
 
+class Readiness:
+    """Whether the broker can serve clients now, with the reasons when it cannot.
+
+    Built once the store is open and restored. Not ready while: shutdown has begun
+    (`stopping` is set), a listener is not serving (before the start, or closed), the store is
+    closed or its writes fail, or, for a cluster node, it is not a member of a cluster map.
+    """
+
+    def __init__(
+        self,
+        *,
+        stopping: asyncio.Event | None = None,
+        listeners: Iterable[Any] = (),
+        server: Any = None,
+        store: Any = None,
+        cluster: Any = None,
+    ) -> None:
+        self.stopping = stopping
+        self.listeners = list(listeners)
+        self.server = server
+        self.store = store
+        self.cluster = cluster
+
+    def reasons(self) -> list[str]:
+        reasons = []
+        if self.stopping is not None and self.stopping.is_set():
+            reasons.append("shutting down")
+        if not all(listener.is_serving() for listener in self.listeners):
+            reasons.append("not all listeners are serving")
+        if self.store is not None and self.store.closed:
+            reasons.append("the store is closed")
+        elif getattr(self.server, "store_failing", False):
+            reasons.append("store writes are failing")
+        if self.cluster is not None:
+            status = self.cluster.status()
+            if not status.get("member") or status.get("map_version") is None:
+                reasons.append("not a member of a cluster map yet")
+        return reasons
+
+
 def parse_json_body(body: bytes) -> Any:
     try:
         return json.loads(body or b"{}")
@@ -138,13 +194,33 @@ def parse_json_body(body: bytes) -> Any:
         return None
 
 
-def routes(cluster: Any, fault_injection: bool, on_left: Callable[[], None]) -> Handler:
+def routes(
+    cluster: Any,
+    fault_injection: bool,
+    on_left: Callable[[], None],
+    *,
+    metrics: Callable[[], bytes] | None = None,
+    metrics_content_type: str = "text/plain; version=0.0.4; charset=utf-8",
+    readiness: Readiness | None = None,
+) -> Handler:
     """The endpoint's routes; `cluster` is the ClusterNode, or None for a standalone broker;
-    `on_left` runs once the node has left its cluster (it then stops)."""
+    `on_left` runs once the node has left its cluster (it then stops); `metrics` renders the
+    /metrics document and `readiness` answers /ready (both 404 when None)."""
 
     async def handle(method: str, path: str, body: bytes) -> tuple[int, Any]:
         if path == "/health":
             return (200, "ok\n") if method == "GET" else (405, {"error": "use GET"})
+        if path == "/ready" and readiness is not None:
+            if method != "GET":
+                return 405, {"error": "use GET"}
+            reasons = readiness.reasons()
+            if reasons:
+                return 503, {"ready": False, "reasons": reasons}
+            return 200, {"ready": True}
+        if path == "/metrics" and metrics is not None:
+            if method != "GET":
+                return 405, {"error": "use GET"}
+            return 200, Raw(metrics_content_type, metrics())
         if path == "/cluster/status":
             if method != "GET":
                 return 405, {"error": "use GET"}

@@ -251,3 +251,66 @@ def leave(admin: str) -> None:
     if not data.get("left"):
         fail(f"the node did not leave: {data.get('error', 'no majority agreed in time')}", 1)
     click.echo("left the cluster; the node is stopping")
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("username")
+@click.option("-c", "--create", is_flag=True, help="Create FILE if it does not exist.")
+@click.option("-D", "--delete", is_flag=True, help="Remove USERNAME from FILE.")
+@click.option(
+    "--password-stdin", is_flag=True, help="Read the password from one line of stdin (scripts)."
+)
+@click.option(
+    "--cost",
+    type=click.IntRange(4, 18),
+    default=None,
+    help="log2 of scrypt's N (default 14: 16 MiB, ~50 ms per check; +1 doubles both).",
+)
+def passwd(
+    file: Path,
+    username: str,
+    create: bool,
+    delete: bool,
+    password_stdin: bool,
+    cost: int | None,
+) -> None:
+    """Add a user to a password file, change their password, or remove them (-D).
+
+    Exit codes: 0 done, 1 no such user (-D), 2 usage or file error.
+    """
+    import getpass
+    import sys
+
+    from fastbroker.auth import passwords
+
+    if delete and (create or password_stdin or cost is not None):
+        fail("-D takes no password options and no -c", EXIT_CONFIG_ERROR)
+    try:
+        passwords.check_username(username)
+    except ValueError as error:
+        fail(f"bad username: {error}", EXIT_CONFIG_ERROR)
+    try:
+        if create:
+            passwords.create_file(file)
+        elif not file.exists():
+            fail(f"{file} does not exist (-c creates it)", EXIT_CONFIG_ERROR)
+        if delete:
+            if not passwords.delete_user(file, username):
+                fail(f"no user {username!r} in {file}", EXIT_STARTUP_ERROR)
+            return
+        if password_stdin:
+            password = sys.stdin.readline().rstrip("\r\n")
+        else:
+            password = getpass.getpass("Password: ")
+            if getpass.getpass("Password again: ") != password:
+                fail("the passwords do not match", EXIT_CONFIG_ERROR)
+        if not password:
+            fail("empty password", EXIT_CONFIG_ERROR)
+        encoded = password.encode("utf-8")
+        added = passwords.set_user(file, username, encoded, cost or passwords.DEFAULT_COST)
+    except ConfigError as error:
+        fail(str(error), EXIT_CONFIG_ERROR)
+    except OSError as error:
+        fail(f"{file}: {error.strerror or error}", EXIT_CONFIG_ERROR)
+    click.echo(f"{'added' if added else 'changed the password of'} {username}", err=True)

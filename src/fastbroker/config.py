@@ -38,6 +38,44 @@ class ListenerConfig:
     write_buffer_high: int = 262_144
 
 
+LISTENER_TYPES = ("tcp", "tls", "ws", "wss")
+LISTENER_DEFAULT_PORTS = {"tcp": 1883, "tls": 8883, "ws": 8083, "wss": 8084}
+PROXY_PROTOCOL_MODES = ("off", "v1", "v2", "any")
+# The name of the listener [listener] describes.
+DEFAULT_LISTENER_NAME = "default"
+
+
+@dataclass(frozen=True)
+class ListenerSpec:
+    """One listener (fastbroker.listeners): [listener] or one of [[listeners]]."""
+
+    name: str = DEFAULT_LISTENER_NAME
+    type: str = "tcp"
+    host: str = "127.0.0.1"
+    port: int = 1883
+    # tls and wss: the server's certificate chain and key (PEM). cafile: client certificates
+    # are verified against it; require_certificate refuses clients without one;
+    # use_identity_as_username makes the certificate's CN the client's username.
+    certfile: str = ""
+    keyfile: str = ""
+    cafile: str = ""
+    require_certificate: bool = False
+    use_identity_as_username: bool = False
+    tls_min_version: str = "1.2"
+    # A PROXY protocol header is expected first on every connection: "v1", "v2", "any".
+    proxy_protocol: str = "off"
+    # ws and wss: the HTTP path of the endpoint; "" accepts any.
+    path: str = "/mqtt"
+
+    @property
+    def tls(self) -> bool:
+        return self.type in ("tls", "wss")
+
+    @property
+    def websocket(self) -> bool:
+        return self.type in ("ws", "wss")
+
+
 @dataclass(frozen=True)
 class StorageConfig:
     data_dir: str = "./fastbroker-data"
@@ -53,6 +91,9 @@ class StorageConfig:
 @dataclass(frozen=True)
 class LogConfig:
     level: str = "info"
+    # Connects, refusals and disconnects as JSON lines (fastbroker.access_log): "stderr"
+    # (through the normal log, at level info), "off", or a file path (reopened when rotated).
+    access_log: str = "stderr"
 
 
 @dataclass(frozen=True)
@@ -94,21 +135,66 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class AdminConfig:
-    # HTTP admin endpoint (/cluster/status, /health); port 0 picks a free one. Unset: on for a
-    # cluster node, off for a standalone broker (which has nothing to administer there yet).
+    # HTTP admin endpoint (/metrics, /health, /ready, /cluster/status); port 0 picks a free
+    # one. Unset: on for a cluster node, off for a standalone broker.
     enabled: bool | None = None
     host: str = "127.0.0.1"
     port: int = 18830
+    # At shutdown, /ready answers 503 this long before the listeners close, so load
+    # balancers stop sending clients first.
+    shutdown_delay_ms: int = 0
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    # Overload protection (docs/operations.md). 0 = no limit.
+    # Connected clients at most: one more gets CONNACK 0x97 (3.1.1: 3, server unavailable).
+    max_connections: int = 0
+    # New sockets accepted per second (burst of one second); beyond it they are closed at once.
+    max_connection_rate: float = 0
+    # PUBLISH packets per second one connection may send; beyond it the broker stops reading
+    # that connection until its rate allows (backpressure, nothing is dropped).
+    max_publish_rate: int = 0
+    # Past this RSS (MiB) the broker stops reading publishers until memory falls below 80 % of
+    # it; "auto" = half of the RAM (or cgroup limit), 0 = off.
+    memory_high_water_mb: int | str = "auto"
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    # Authentication and authorization (docs/auth.md). All empty: every client may connect
+    # and do anything, and the engine never waits for Python.
+    password_file: str = ""
+    acl_file: str = ""
+    # None: false when a password file or an authenticating plugin is configured, else true.
+    allow_anonymous: bool | None = None
+    # "module.path:factory" or "file.py:factory"; options per spec in [auth.plugin_options].
+    plugins: tuple[str, ...] = ()
+    plugin_options: Mapping[str, Mapping[str, Any]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    # Longest a plugin hook may take before the client is refused or the message denied.
+    plugin_timeout_ms: int = 5000
+
+    @property
+    def enabled(self) -> bool:
+        return bool(
+            self.password_file or self.acl_file or self.plugins or self.allow_anonymous is False
+        )
 
 
 @dataclass(frozen=True)
 class Config:
     listener: ListenerConfig = field(default_factory=ListenerConfig)
+    # Every listener to open: [listener] (when it applies) first, then [[listeners]].
+    listeners: tuple[ListenerSpec, ...] = field(default_factory=lambda: (ListenerSpec(),))
     storage: StorageConfig = field(default_factory=StorageConfig)
     log: LogConfig = field(default_factory=LogConfig)
     sys: SysConfig = field(default_factory=SysConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
     # Only the keys the file sets; the engine supplies the defaults of the rest.
     mqtt: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     # The file the config came from, or None for built-in defaults.
@@ -214,6 +300,41 @@ def address_list(value: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
+def memory_mark(value: Any) -> int | str:
+    if value == "auto" or (type(value) is int and 0 <= value <= 2**40):
+        return value
+    raise ValueError('expected "auto" or a number of MiB (0 = off)')
+
+
+def access_log_target(value: Any) -> str:
+    if type(value) is not str or not value or not value.isprintable():
+        raise ValueError('expected "stderr", "off" or a file path')
+    return value
+
+
+def optional_file(value: Any) -> str:
+    # Read at startup: a missing file fails here, with the other config errors.
+    if type(value) is not str:
+        raise ValueError("expected a file path")
+    if value and not Path(value).is_file():
+        raise ValueError("no such file")
+    return value
+
+
+def plugin_specs(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(
+        type(v) is str and v.rpartition(":")[0] and v.rpartition(":")[2] for v in value
+    ):
+        raise ValueError('expected a list of "module.path:factory" strings')
+    return tuple(value)
+
+
+def plugin_options(value: Any) -> Mapping[str, Mapping[str, Any]]:
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise ValueError('expected tables [auth.plugin_options."module.path:factory"]')
+    return MappingProxyType({spec: MappingProxyType(dict(v)) for spec, v in value.items()})
+
+
 def log_level(value: Any) -> str:
     if type(value) is not str or value.lower() not in LOG_LEVELS:
         raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}")
@@ -232,7 +353,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "fsync_interval_ms": integer(FSYNC_INTERVAL_MS_MIN, FSYNC_INTERVAL_MS_MAX),
         "compress_above": integer(0, U63_MAX),
     },
-    "log": {"level": log_level},
+    "log": {"level": log_level, "access_log": access_log_target},
     "sys": {"interval": number(0)},
     "cluster": {
         "node_id": node_id,
@@ -252,7 +373,26 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "discovery_interval_ms": integer(100, 600_000),
         "fault_injection": boolean,
     },
-    "admin": {"enabled": boolean, "host": host_name, "port": integer(0, U16_MAX)},
+    "admin": {
+        "enabled": boolean,
+        "host": host_name,
+        "port": integer(0, U16_MAX),
+        "shutdown_delay_ms": integer(0, 600_000),
+    },
+    "limits": {
+        "max_connections": integer(0, 10_000_000),
+        "max_connection_rate": number(0),
+        "max_publish_rate": integer(0, 100_000_000),
+        "memory_high_water_mb": memory_mark,
+    },
+    "auth": {
+        "password_file": optional_file,
+        "acl_file": optional_file,
+        "allow_anonymous": boolean,
+        "plugins": plugin_specs,
+        "plugin_options": plugin_options,
+        "plugin_timeout_ms": integer(1, 600_000),
+    },
     # Handed to fastbroker_core.Engine as is, which checks it (check_mqtt): one set of rules.
     "mqtt": {},
 }
@@ -264,6 +404,8 @@ SECTION_TYPES: dict[str, type] = {
     "sys": SysConfig,
     "cluster": ClusterConfig,
     "admin": AdminConfig,
+    "limits": LimitsConfig,
+    "auth": AuthConfig,
 }
 
 
@@ -275,6 +417,8 @@ def load_config(
     flags, ``{table: {key: value}}``; None values are ignored)."""
     source = str(path) if path is not None else None
     tables = read_toml(Path(path)) if path is not None else {}
+    # An array of tables, unlike the others: checked on its own (listener_specs).
+    listener_tables = tables.pop("listeners", None)
     sections = validate_tables(tables, source or "<defaults>")
     flag_tables = {
         table: {key: value for key, value in values.items() if value is not None}
@@ -289,7 +433,28 @@ def load_config(
         for table, section_type in SECTION_TYPES.items()
     }
     check_cluster(settings["cluster"], source or "<defaults>")
-    return Config(**settings, mqtt=MappingProxyType(dict(sections.get("mqtt", {}))), source=source)
+    # [listener] is a listener unless only [[listeners]] are given (its write_buffer_high
+    # alone does not count).
+    listener_given = listener_tables is None or bool(
+        {"host", "port"}
+        & (set(tables.get("listener", {})) | set(flag_sections.get("listener", {})))
+    )
+    listeners = listener_specs(
+        listener_tables, settings["listener"] if listener_given else None, source or "<defaults>"
+    )
+    for spec in listeners:
+        # The CN becomes the username in the authentication step, which runs only with [auth].
+        if spec.use_identity_as_username and not settings["auth"].enabled:
+            raise ConfigError(
+                f"{source or '<defaults>'}: listener {spec.name}: use_identity_as_username needs "
+                "[auth] (for example allow_anonymous = false, or an acl_file)"
+            )
+    return Config(
+        **settings,
+        listeners=listeners,
+        mqtt=MappingProxyType(dict(sections.get("mqtt", {}))),
+        source=source,
+    )
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -376,3 +541,130 @@ def check_mqtt(values: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 def one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+def listener_name(value: Any) -> str:
+    if (
+        type(value) is not str
+        or not 0 < len(value) <= 64
+        or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in value)
+    ):
+        raise ValueError("expected 1-64 letters, digits, '-', '_' or '.'")
+    return value
+
+
+def websocket_path(value: Any) -> str:
+    if type(value) is not str or (
+        value and (not value.startswith("/") or not value.isprintable() or " " in value)
+    ):
+        raise ValueError('expected a path starting with "/" ("" accepts any)')
+    return value
+
+
+LISTENER_KEYS: dict[str, Check] = {
+    "name": listener_name,
+    "type": one_of(*LISTENER_TYPES),
+    "host": host_name,
+    "port": integer(0, U16_MAX),
+    "certfile": nonempty_string,
+    "keyfile": nonempty_string,
+    "cafile": nonempty_string,
+    "require_certificate": boolean,
+    "use_identity_as_username": boolean,
+    "tls_min_version": one_of("1.2", "1.3"),
+    "proxy_protocol": one_of(*PROXY_PROTOCOL_MODES),
+    "path": websocket_path,
+}
+TLS_ONLY_KEYS = (
+    "certfile",
+    "keyfile",
+    "cafile",
+    "require_certificate",
+    "use_identity_as_username",
+    "tls_min_version",
+)
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def listener_specs(
+    tables: Any, default: ListenerConfig | None, source: str
+) -> tuple[ListenerSpec, ...]:
+    """The listeners of [[listeners]] (``tables``, None when absent) after the one of
+    [listener] (``default``, None when it is not a listener). Checks keys, the rules between
+    them, TLS files (by loading them) and clashes of names and ports."""
+    specs: list[ListenerSpec] = []
+    if default is not None:
+        specs.append(ListenerSpec(host=default.host, port=default.port))
+    if tables is not None and not (
+        isinstance(tables, list) and all(isinstance(t, dict) for t in tables)
+    ):
+        raise ConfigError(f"{source}: listeners: expected an array of tables [[listeners]]")
+    for index, table in enumerate(tables or ()):
+        label = table.get("name") if type(table.get("name")) is str else f"#{index + 1}"
+        where = f"{source}: [[listeners]] {label}"
+        checked: dict[str, Any] = {}
+        for key, value in table.items():
+            if key not in LISTENER_KEYS:
+                raise ConfigError(
+                    f"{where}: {key}: unknown key (known: {', '.join(LISTENER_KEYS)})"
+                )
+            try:
+                checked[key] = LISTENER_KEYS[key](value)
+            except ValueError as error:
+                raise ConfigError(
+                    f"{where}: {key}: {error}, got {one_line(reprlib.repr(value))}"
+                ) from None
+        kind = checked.setdefault("type", "tcp")
+        checked.setdefault("port", LISTENER_DEFAULT_PORTS[kind])
+        checked.setdefault("name", f"{kind}-{checked['port']}")
+        spec = ListenerSpec(**checked)
+        check_listener(spec, set(checked), f"{source}: [[listeners]] {spec.name}")
+        specs.append(spec)
+    check_clashes(specs, source)
+    return tuple(specs)
+
+
+def check_listener(spec: ListenerSpec, keys: set[str], where: str) -> None:
+    problem = None
+    if not spec.tls and keys & set(TLS_ONLY_KEYS):
+        key = next(k for k in TLS_ONLY_KEYS if k in keys)
+        problem = f"{key} is only for tls and wss listeners (type is {spec.type})"
+    elif not spec.websocket and "path" in keys:
+        problem = f"path is only for ws and wss listeners (type is {spec.type})"
+    elif spec.tls and not (spec.certfile and spec.keyfile):
+        problem = f"a {spec.type} listener needs certfile and keyfile"
+    elif spec.require_certificate and not spec.cafile:
+        problem = "require_certificate needs cafile (the CA client certificates are checked with)"
+    elif spec.use_identity_as_username and not spec.cafile:
+        problem = "use_identity_as_username needs cafile (and require_certificate)"
+    if problem is not None:
+        raise ConfigError(f"{where}: {problem}")
+    if spec.tls:
+        # Loaded now, so a missing file, an unreadable key or a key that is not the
+        # certificate's is a config error at startup, not a failure at the first client.
+        from fastbroker.listeners import build_ssl_context
+
+        try:
+            build_ssl_context(spec)
+        except ValueError as error:
+            raise ConfigError(f"{where}: {one_line(str(error))}") from None
+
+
+def check_clashes(specs: list[ListenerSpec], source: str) -> None:
+    seen_names: set[str] = set()
+    for index, spec in enumerate(specs):
+        if spec.name in seen_names:
+            raise ConfigError(f"{source}: two listeners are named {spec.name}")
+        seen_names.add(spec.name)
+        if spec.port == 0:
+            continue
+        for other in specs[:index]:
+            same_host = (
+                spec.host == other.host
+                or spec.host in WILDCARD_HOSTS
+                or other.host in WILDCARD_HOSTS
+            )
+            if other.port == spec.port and same_host:
+                raise ConfigError(
+                    f"{source}: listeners {other.name} and {spec.name} are both on port {spec.port}"
+                )

@@ -18,9 +18,19 @@ import uvloop
 
 from fastbroker import __version__
 from fastbroker._connection import Server, monotonic_ms
-from fastbroker.admin import AdminServer, routes
-from fastbroker.config import Config, ConfigError
+from fastbroker.access_log import open_access_log
+from fastbroker.admin import AdminServer, Readiness, routes
+from fastbroker.auth import AuthCoordinator, engine_keys
+from fastbroker.config import DEFAULT_LISTENER_NAME, Config, ConfigError
 from fastbroker.heap import HeapTrimmer
+from fastbroker.listeners import (
+    CONNECT_TIMEOUT_MS,
+    MAX_PACKET_SIZE,
+    ListenerBindError,
+    ListenerGroup,
+    bind_listeners,
+)
+from fastbroker.overload import MemoryGuard, high_water_bytes
 from fastbroker.store import Store, StoreError
 from fastbroker.sys_topics import SysTopicPublisher
 
@@ -30,6 +40,9 @@ logger = logging.getLogger("fastbroker.server")
 LISTEN_BACKLOG = 4096
 # How long clients get to take their last bytes at shutdown before they are cut off.
 SHUTDOWN_GRACE_S = 2.0
+# Sockets allowed beyond [limits] max_connections, so clients over the limit can be told why
+# (CONNACK 0x97) instead of being cut off, while a flood still meets a hard cap.
+SOCKETS_OVER_MAX_CONNECTIONS = 1024
 
 
 class StartupError(Exception):
@@ -46,11 +59,16 @@ def configure_logging(level: str) -> None:
 
 def engine_config(config: Config) -> dict[str, Any]:
     """The [mqtt] table as the engine's config, plus what the broker sets itself."""
+    limits = config.limits
     return {
         **config.mqtt,
         "version": __version__,
         "durable": True,
         "compress_above": config.storage.compress_above,
+        "max_connections": limits.max_connections,
+        "max_publish_rate": limits.max_publish_rate,
+        # auth_required / intercept, only when [auth] is used.
+        **engine_keys(config.auth),
     }
 
 
@@ -157,24 +175,34 @@ def open_store(config: Config, engine: Any) -> Store:
 
 async def serve(config: Config, engine: Any) -> None:
     loop = asyncio.get_running_loop()
-    host, port = config.listener.host, config.listener.port
-    server: Server | None = None
     try:
         # Bound before the store is opened, so a port in use fails fast and touches nothing;
         # connections wait in the backlog until the state is restored.
-        listener = await loop.create_server(
-            lambda: server.new_connection(),  # type: ignore[union-attr]
-            host,
-            port,
+        listener = await bind_listeners(
+            config.listeners,
+            loop,
+            # Each step before MQTT (PROXY header, TLS, WebSocket handshake) gets as long as
+            # a client has to send CONNECT.
+            handshake_timeout=config.mqtt.get("connect_timeout_ms", CONNECT_TIMEOUT_MS) / 1000,
+            max_packet_size=config.mqtt.get("max_packet_size", MAX_PACKET_SIZE),
             backlog=LISTEN_BACKLOG,
-            start_serving=False,
         )
-    except OSError as error:
-        address = format_address(host, port)
-        raise StartupError(f"cannot listen on {address}: {os_error_reason(error)}") from None
+    except ListenerBindError as error:
+        spec = error.spec
+        address = format_address(spec.host, spec.port)
+        which = "" if spec.name == DEFAULT_LISTENER_NAME else f" (listener {spec.name})"
+        reason = os_error_reason(error.error)
+        raise StartupError(f"cannot listen on {address}{which}: {reason}") from None
+    except ValueError as error:
+        # A certificate file changed since the config was read.
+        raise StartupError(str(error)) from None
+    for spec, bound in listener.addresses():
+        if spec.name != DEFAULT_LISTENER_NAME or len(config.listeners) > 1:
+            logger.info("listener %s (%s) on %s", spec.name, spec.type, format_address(*bound))
     store = open_store(config, engine)
     try:
         server = Server(engine, loop, config.listener.write_buffer_high, store=store)
+        listener.attach(server)
         await run_server(config, engine, server, listener, store)
     finally:
         try:
@@ -184,15 +212,27 @@ async def serve(config: Config, engine: Any) -> None:
 
 
 async def run_server(
-    config: Config, engine: Any, server: Server, listener: asyncio.Server, store: Store
+    config: Config, engine: Any, server: Server, listener: ListenerGroup, store: Store
 ) -> None:
     loop = asyncio.get_running_loop()
-    host, port = config.listener.host, config.listener.port
     stop_requested = asyncio.Event()
+    # First: a plugin that fails to start stops the broker before anything else runs.
+    auth = await start_auth(config, engine, server, loop)
+    access_log = open_access_log(config.log.access_log)
+    # A passing copy of a plain connection's details: logging keeps no dict per connection.
+    server.access_handler = access_log.hook(lambda conn: server.conn_info(conn, False))
     # Before serving clients: a cluster or admin port in use stops the broker at startup.
     cluster = await start_cluster(config, loop)
     try:
-        admin = await start_admin(config, cluster, stop_requested)
+        admin = await start_admin(
+            config,
+            cluster,
+            stop_requested,
+            engine=engine,
+            server=server,
+            store=store,
+            listeners=[listener],
+        )
     except StartupError:
         if cluster is not None:
             await cluster.stop()
@@ -202,7 +242,17 @@ async def run_server(
     # Installed before the "listening" line, so a signal sent on seeing it is always handled.
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop_requested.set)
+    if auth is not None:
+        loop.add_signal_handler(signal.SIGHUP, auth.reload)
 
+    limits = config.limits
+    if limits.max_connections:
+        server.max_sockets = limits.max_connections + SOCKETS_OVER_MAX_CONNECTIONS
+    server.connection_rate = limits.max_connection_rate
+    memory_guard = MemoryGuard(
+        loop, server.set_memory_pressure, high_water_bytes(limits.memory_high_water_mb)
+    )
+    memory_guard.start()
     server.start_ticking()
     if store.fsync == "interval":
         server.start_syncing(store.fsync_interval_ms / 1000)
@@ -211,11 +261,14 @@ async def run_server(
     heap_trimmer = HeapTrimmer(loop)
     heap_trimmer.start()
 
-    bound_port = listener.sockets[0].getsockname()[1] if listener.sockets else port
-    logger.info("fastbroker %s listening on %s", __version__, format_address(host, bound_port))
+    addresses = ", ".join(format_address(*bound) for _, bound in listener.addresses())
+    logger.info("fastbroker %s listening on %s", __version__, addresses)
 
     await stop_requested.wait()
     logger.info("shutting down")
+    if admin is not None and config.admin.shutdown_delay_ms:
+        # /ready already answers 503: load balancers stop sending clients before we close.
+        await asyncio.sleep(config.admin.shutdown_delay_ms / 1000)
     listener.close()
     if admin is not None:
         await admin.stop()
@@ -223,11 +276,31 @@ async def run_server(
         await cluster.stop()
     sys_topics.stop()
     heap_trimmer.stop()
+    memory_guard.stop()
     await close_connections(server)
+    if auth is not None:
+        await auth.stop()
     server.stop_ticking()
     server.stop_syncing()
     await listener.wait_closed()
     logger.info("stopped")
+
+
+async def start_auth(
+    config: Config, engine: Any, server: Server, loop: asyncio.AbstractEventLoop
+) -> AuthCoordinator | None:
+    """The [auth] coordinator wired to the connection layer, or None without [auth]."""
+    if not config.auth.enabled:
+        return None
+    auth = AuthCoordinator(config.auth, engine, loop, server.conn_info, server.schedule_flush)
+    try:
+        await auth.start()
+    except ConfigError as error:
+        # A plugin that cannot start is a runtime failure (exit 1), not a config mistake.
+        raise StartupError(str(error)) from None
+    server.auth_handler = auth.on_auth_requests
+    server.intercept_handler = auth.on_intercepted
+    return auth
 
 
 def cluster_secret(config: Config) -> str:
@@ -266,17 +339,45 @@ async def start_cluster(config: Config, loop: asyncio.AbstractEventLoop) -> Any:
 
 
 async def start_admin(
-    config: Config, cluster: Any, stop_requested: asyncio.Event
+    config: Config,
+    cluster: Any,
+    stop_requested: asyncio.Event,
+    *,
+    engine: Any,
+    server: Server,
+    store: Store,
+    # Anything with is_serving(): asyncio.Server, fastbroker.listeners.ListenerGroup.
+    listeners: list[Any],
 ) -> AdminServer | None:
     enabled = config.admin.enabled
     if not (enabled if enabled is not None else cluster is not None):
         return None
+    # Imported here: a broker without the admin endpoint does not load prometheus_client.
+    from fastbroker.metrics import CONTENT_TYPE, BrokerCollector, BrokerMetrics
 
     def leave_done() -> None:
         # Leaving ends the node: its partitions now live elsewhere.
         asyncio.get_running_loop().call_later(0.2, stop_requested.set)
 
-    handle = routes(cluster, config.cluster.fault_injection, leave_done)
+    readiness = Readiness(
+        stopping=stop_requested, listeners=listeners, server=server, store=store, cluster=cluster
+    )
+    collector = BrokerCollector(
+        engine=engine,
+        server=server,
+        store=store,
+        cluster=cluster,
+        readiness=readiness,
+        version=__version__,
+    )
+    handle = routes(
+        cluster,
+        config.cluster.fault_injection,
+        leave_done,
+        metrics=BrokerMetrics(collector).render,
+        metrics_content_type=CONTENT_TYPE,
+        readiness=readiness,
+    )
     admin = AdminServer(handle)
     host, port = config.admin.host, config.admin.port
     try:

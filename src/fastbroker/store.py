@@ -30,6 +30,8 @@ import json
 import logging
 import os
 import shutil
+import time
+from bisect import bisect_left
 from collections.abc import Iterator
 
 from rocksdict import (
@@ -59,6 +61,45 @@ FSYNC_INTERVAL_MS_MAX = 60_000
 LOAD_CHUNK = 4096
 # A marker is a few dozen bytes; anything much bigger is not one.
 MARKER_MAX_BYTES = 4096
+
+
+# Upper bounds (nanoseconds) of the buckets of the write and sync latency histograms (the
+# /metrics endpoint reports them in seconds): 100 us to 1 s; slower ones count as +Inf.
+LATENCY_BUCKETS_NS = (
+    100_000,
+    250_000,
+    500_000,
+    1_000_000,
+    2_500_000,
+    5_000_000,
+    10_000_000,
+    25_000_000,
+    50_000_000,
+    100_000_000,
+    250_000_000,
+    500_000_000,
+    1_000_000_000,
+)
+
+
+class LatencyHistogram:
+    """Counts of durations per bucket of LATENCY_BUCKETS_NS (the last count: slower than all),
+    and their sum; a bisect and two additions per observation."""
+
+    __slots__ = ("counts", "sum_ns")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS_NS) + 1)
+        self.sum_ns = 0
+
+    def observe(self, duration_ns: int) -> None:
+        # bisect_left: a duration equal to a bound belongs to that bound's bucket (le).
+        self.counts[bisect_left(LATENCY_BUCKETS_NS, duration_ns)] += 1
+        self.sum_ns += duration_ns
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
 
 
 class StoreError(Exception):
@@ -200,6 +241,12 @@ class Store:
         self._unsynced = False
         # Why writes fail (the first error since the last successful recover()), or None.
         self._failure: str | None = None
+        # For /metrics (fastbroker.metrics), counted per batch, never per record: successful
+        # write() batches and sync() flushes, RocksDB errors of either, and records written.
+        self.write_latency = LatencyHistogram()
+        self.sync_latency = LatencyHistogram()
+        self.write_errors = 0
+        self.records_written = 0
 
     # ------------------------------------------------------------------ opening
 
@@ -316,10 +363,14 @@ class Store:
             raise TypeError(
                 "Store.write: every op must be (bytes key, bytes value or None)"
             ) from None
+        started = time.perf_counter_ns()
         try:
             db.write(batch, self._write_options)
         except Exception as error:
+            self.write_errors += 1
             raise self._write_failed(error) from None
+        self.write_latency.observe(time.perf_counter_ns() - started)
+        self.records_written += len(ops)
         self._unsynced = True
 
     def sync(self) -> None:
@@ -332,10 +383,13 @@ class Store:
             raise self._write_error()
         if self.fsync != "interval" or not self._unsynced:
             return
+        started = time.perf_counter_ns()
         try:
             db.flush_wal(True)
         except Exception as error:
+            self.write_errors += 1
             raise self._write_failed(error) from None
+        self.sync_latency.observe(time.perf_counter_ns() - started)
         self._unsynced = False
 
     def _write_failed(self, error: BaseException) -> StoreWriteError:

@@ -43,6 +43,20 @@ pub struct Config {
     pub durable: bool,
     /// Stored values longer than this are compressed (0 = never).
     pub compress_above: usize,
+    /// Every CONNECT waits for the caller's decision (`auth_requests` / `auth_done`).
+    pub auth_required: bool,
+    /// Most connections in the Active state (0 = no limit); a CONNECT beyond is refused
+    /// with 0x97 (3.1.1: 3).
+    pub max_connections: usize,
+    /// PUBLISH packets per second one connection may send (0 = no limit; burst = the rate):
+    /// past it the connection is held, not refused.
+    pub max_publish_rate: u32,
+    /// Bytes a connection waiting for authentication may buffer before it is held.
+    pub max_conn_buffer: usize,
+    /// Client publishes wait for the caller's decision (`take_intercepted` / `release`).
+    pub intercept: bool,
+    /// Intercepted publishes of one connection pending release before it is held.
+    pub max_intercepted: usize,
 }
 
 impl Default for Config {
@@ -67,6 +81,12 @@ impl Default for Config {
             max_retained_size: 0,
             durable: false,
             compress_above: 4096,
+            auth_required: false,
+            max_connections: 0,
+            max_publish_rate: 0,
+            max_conn_buffer: 1 << 20,
+            intercept: false,
+            max_intercepted: 64,
         }
     }
 }
@@ -129,6 +149,16 @@ impl Config {
             "max_retained_size" => self.max_retained_size = int(key, &value, 0, i64::MAX)? as usize,
             "durable" => self.durable = boolean(key, &value)?,
             "compress_above" => self.compress_above = int(key, &value, 0, i64::MAX)? as usize,
+            "auth_required" => self.auth_required = boolean(key, &value)?,
+            "max_connections" => self.max_connections = int(key, &value, 0, i64::MAX)? as usize,
+            "max_publish_rate" => {
+                self.max_publish_rate = int(key, &value, 0, u32::MAX as i64)? as u32
+            }
+            "max_conn_buffer" => self.max_conn_buffer = int(key, &value, 0, i64::MAX)? as usize,
+            "intercept" => self.intercept = boolean(key, &value)?,
+            "max_intercepted" => {
+                self.max_intercepted = int(key, &value, 1, u32::MAX as i64)? as usize
+            }
             "version" => match value {
                 Value::Str(s) => self.version = s,
                 _ => return Err(format!("{key} must be a string")),

@@ -3,10 +3,26 @@
 
 use std::sync::Arc;
 
+use bytes::Bytes;
+
+use super::auth::AuthState;
 use super::state::{AwaitingAck, ConnState, Session, SessionId};
 use super::{ConnId, Engine};
 use crate::codec::{ConnAck, Connect, DecodeError, Packet, Properties, Protocol};
 use crate::topics;
+
+/// A CONNECT that passed the checks, with what they derived, waiting to be accepted.
+#[derive(Debug)]
+pub struct PendingConnect {
+    pub connect: Box<Connect>,
+    /// The client id, assigned by the broker when the CONNECT's was empty.
+    pub client_id: Arc<str>,
+    pub assigned: Option<String>,
+    pub keep_alive: u16,
+    pub server_keep_alive: Option<u16>,
+    pub expiry: u32,
+    pub asked_expiry: u32,
+}
 
 impl Engine {
     /// A CONNECT that did not decode. MQTT 5 clients get CONNACK with the reason code
@@ -24,6 +40,18 @@ impl Engine {
             (_, DecodeError::UnsupportedProtocol) => Some((Protocol::V311, 0x84)),
             _ => None,
         };
+        let level = level.unwrap_or(0);
+        let access = (
+            "refused",
+            id,
+            Arc::from(""),
+            None,
+            level,
+            answer.map_or(0, |(_, code)| code),
+            format!("bad CONNECT: {err:?}"),
+        );
+        self.stats.connections_refused += 1;
+        self.push_access(access);
         if let Some((protocol, reason_code)) = answer {
             self.conn_mut(id).expect("caller checked").protocol = protocol;
             self.send(
@@ -44,37 +72,56 @@ impl Engine {
     }
 
     /// Refuses a CONNECT with `code` (MQTT 5 reason; mapped for 3.1.1) and closes.
-    fn refuse(&mut self, id: ConnId, code: u8, why: &str) {
+    pub(super) fn refuse(&mut self, id: ConnId, code: u8, why: &str) {
+        self.refuse_with(id, code, code, Some(why), why);
+    }
+
+    /// Sends CONNACK `wire_code` (with `reason_string` if the client wants problem
+    /// information), logs the refusal with `access_code` and closes.
+    pub(super) fn refuse_with(
+        &mut self,
+        id: ConnId,
+        wire_code: u8,
+        access_code: u8,
+        reason_string: Option<&str>,
+        why: &str,
+    ) {
         let Some(conn) = self.conn(id) else { return };
         let mut properties = Properties::default();
         if conn.protocol == Protocol::V5 && conn.problem_info {
-            properties.reason_string = Some(why.to_string());
+            properties.reason_string = reason_string.map(str::to_string);
         }
         self.send(
             id,
             &Packet::ConnAck(ConnAck {
                 session_present: false,
-                reason_code: code,
+                reason_code: wire_code,
                 properties: properties.into_boxed(),
             }),
         );
+        self.stats.connections_refused += 1;
+        self.access("refused", id, access_code, why);
         self.stop_reading_and_close(id);
         self.event(
             "connect_refused",
             Arc::from(""),
-            format!("0x{code:02x} {why}"),
+            format!("0x{access_code:02x} {why}"),
         );
     }
 
-    pub(super) fn handle_connect(&mut self, id: ConnId, c: Connect, now: u64) {
+    pub(super) fn handle_connect(&mut self, id: ConnId, c: Box<Connect>, now: u64) {
         let v5 = c.protocol == Protocol::V5;
         let props = &c.properties;
         {
             let conn = self.conn_mut(id).expect("caller checked");
             conn.protocol = c.protocol;
             conn.problem_info = props.request_problem_information != Some(0);
+            conn.connect_seen = true;
+            conn.username = c.username.as_deref().map(Arc::from);
+            conn.client_id = Arc::from(c.client_id.as_str());
         }
-        if props.authentication_method.is_some() {
+        let auth_required = self.cfg.auth_required;
+        if props.authentication_method.is_some() && !auth_required {
             return self.refuse(id, 0x8C, "no enhanced authentication method is supported");
         }
         let cfg = &self.cfg;
@@ -128,6 +175,58 @@ impl Engine {
         } else {
             Arc::from(c.client_id.as_str())
         };
+        self.conn_mut(id).expect("exists").client_id = client_id.clone();
+        if self.at_connection_limit(&client_id) {
+            return self.refuse(id, 0x97, "max_connections reached");
+        }
+        let method = c.properties.authentication_method.clone();
+        let pending = PendingConnect {
+            connect: c,
+            client_id,
+            assigned,
+            keep_alive,
+            server_keep_alive,
+            expiry,
+            asked_expiry,
+        };
+        if !auth_required {
+            return self.accept_connect(id, pending, None, None, now);
+        }
+        // The caller decides; nothing of the session happens before that.
+        let password = pending.connect.password.clone();
+        let data = pending.connect.properties.authentication_data.clone();
+        let conn = self.conn_mut(id).expect("exists");
+        conn.state = ConnState::AwaitAuth;
+        conn.auth = Some(Box::new(AuthState {
+            pending: Some(Box::new(pending)),
+            method: method.clone(),
+            reauth: false,
+            awaiting_client: false,
+        }));
+        self.request_auth(id, "connect", password, method, data);
+    }
+
+    /// Goes on with a checked (and, if required, authenticated) CONNECT: takeover, session
+    /// start or resume, CONNACK (with the enhanced-authentication result, if any).
+    pub(super) fn accept_connect(
+        &mut self,
+        id: ConnId,
+        pending: PendingConnect,
+        auth_method: Option<String>,
+        auth_data: Option<Bytes>,
+        now: u64,
+    ) {
+        let PendingConnect {
+            connect: c,
+            client_id,
+            assigned,
+            keep_alive,
+            server_keep_alive,
+            expiry,
+            asked_expiry,
+        } = pending;
+        let v5 = c.protocol == Protocol::V5;
+        let props = &c.properties;
 
         // Takeover: the same client id is connected elsewhere.
         let existing = self.by_client.get(&client_id).copied();
@@ -182,6 +281,8 @@ impl Engine {
             }
             ack_props.server_keep_alive = server_keep_alive;
             ack_props.assigned_client_identifier = assigned;
+            ack_props.authentication_method = auth_method;
+            ack_props.authentication_data = auth_data;
         }
         {
             let conn = self.conn_mut(id).expect("exists");
@@ -189,11 +290,14 @@ impl Engine {
             conn.session = Some(sid);
             conn.client_id = client_id.clone();
             conn.keep_alive_ms = u64::from(keep_alive) * 1000;
-            conn.will = c.will.map(Box::new);
             conn.client_max_packet = props.maximum_packet_size.map_or(usize::MAX, |m| m as usize);
             conn.client_receive_max = props.receive_maximum.unwrap_or(65535);
             conn.client_topic_alias_max = props.topic_alias_maximum.unwrap_or(0);
         }
+        self.active_conns += 1;
+        self.arm_limits(id, now);
+        // The resumed session's subscriptions are judged by this connection's permissions.
+        self.refresh_read_check(id);
         self.send(
             id,
             &Packet::ConnAck(ConnAck {
@@ -211,6 +315,9 @@ impl Engine {
                 c.clean_start
             ),
         );
+        self.access("connect", id, 0, "");
+        let will = c.will;
+        self.conn_mut(id).expect("exists").will = will.map(Box::new);
         // Stored before the CONNACK goes out (the caller writes operations before output).
         self.persist_session(sid, now);
         if session_present {

@@ -6,23 +6,33 @@
 //! encoded for every subscriber without returning to the caller, so the caller's cost is per
 //! read, not per message.
 
+pub mod acl;
+mod auth;
 mod config;
 mod connect;
 mod durable;
 #[cfg(test)]
 mod durable_tests;
+mod intercept;
+mod limits;
 mod router;
 mod state;
 mod subscribe;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_auth;
 mod timers;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
+pub use acl::Permissions;
+pub use auth::{AccessEvent, AuthRequest};
 pub use config::{Config, Value};
 pub use durable::{RestoreSummary, StoreOp};
+pub use intercept::{Intercepted, Verdict};
+pub use limits::{FEED_HOLD, FEED_PUBLISHER};
 pub use state::{ConnId, SessionId};
 
 use crate::codec::{self, Ack, Disconnect, Packet, Properties, Protocol};
@@ -38,6 +48,14 @@ pub struct Stats {
     pub bytes_sent: u64,
     pub publish_dropped: u64,
     pub clients_connected: u64,
+    /// Publishes refused by permissions or by an interceptor.
+    pub publish_denied: u64,
+    /// Subscriptions refused by permissions.
+    pub subscribe_denied: u64,
+    /// CONNECTs refused (CONNACK with an error code, or closed before CONNACK).
+    pub connections_refused: u64,
+    /// Access events dropped because the caller did not take them.
+    pub access_events_dropped: u64,
 }
 
 /// A log event for the caller: (kind, client id, detail).
@@ -75,6 +93,20 @@ pub struct Engine {
     quota_drops: u64,
     /// Records being read back at start-up.
     restoring: Option<Box<durable::Restoring>>,
+    /// Connections ever opened: the next connection's serial.
+    serials: u64,
+    /// Connections in state Active.
+    active_conns: usize,
+    /// Connections the caller was told to stop reading (FEED_HOLD).
+    held: Vec<ConnId>,
+    /// Held connections that may be read again, not yet taken.
+    resumed: Vec<ConnId>,
+    auth_requests: Vec<auth::AuthRequest>,
+    /// Closed connection ids kept from reuse until their authentication answer (or a
+    /// deadline, ms).
+    quarantine: Vec<(ConnId, u64)>,
+    access_events: VecDeque<auth::AccessEvent>,
+    intercepted: intercept::InterceptQueue,
 }
 
 impl Engine {
@@ -102,6 +134,14 @@ impl Engine {
             wall_offset: 0,
             restoring: None,
             quota_drops: 0,
+            serials: 0,
+            active_conns: 0,
+            held: Vec::new(),
+            resumed: Vec::new(),
+            auth_requests: Vec::new(),
+            quarantine: Vec::new(),
+            access_events: VecDeque::new(),
+            intercepted: intercept::InterceptQueue::default(),
         }
     }
 
@@ -112,7 +152,9 @@ impl Engine {
     /// A new network connection.
     pub fn open(&mut self, now: u64) -> ConnId {
         self.last_now = now;
-        let conn = Conn::new(now);
+        let mut conn = Conn::new(now);
+        self.serials += 1;
+        conn.serial = self.serials;
         match self.free_conns.pop() {
             Some(id) => {
                 self.conns[id as usize] = Some(conn);
@@ -125,58 +167,54 @@ impl Engine {
         }
     }
 
-    /// Bytes read from `id`: decodes and handles every whole packet in them.
-    pub fn feed(&mut self, id: ConnId, data: &[u8], now: u64) {
+    /// Bytes read from `id`: decodes and handles every whole packet in them, unless a limit
+    /// makes the connection wait. Returns FEED_HOLD (stop reading `id` until `take_resumed`
+    /// lists it) and FEED_PUBLISHER (it has sent a PUBLISH) bits.
+    pub fn feed(&mut self, id: ConnId, data: &[u8], now: u64) -> u8 {
         self.last_now = now;
         let Some(conn) = self.conn_mut(id) else {
-            return;
+            return 0;
         };
         if conn.state == ConnState::Closing {
-            return;
+            return 0;
         }
-        conn.last_rx = now;
         conn.rx.extend_from_slice(data);
         self.stats.bytes_received += data.len() as u64;
-        let max_packet_size = self.cfg.max_packet_size as usize;
-        loop {
-            let Some(conn) = self.conn_mut(id) else {
-                return;
-            };
-            if conn.state == ConnState::Closing {
-                return;
-            }
-            let protocol = conn.protocol;
-            // Before CONNECT is decoded, note its level: a bad one is answered in that version.
-            let level = if conn.state == ConnState::AwaitConnect {
-                codec::connect_level(&conn.rx)
-            } else {
-                None
-            };
-            let result = codec::decode(&mut conn.rx, protocol, max_packet_size);
-            match result {
-                Ok(Some(packet)) => self.handle(id, packet, now),
-                Ok(None) => return,
-                Err(err) => {
-                    self.decode_failed(id, err, level, now);
-                    return;
-                }
-            }
-        }
+        self.run(id, now)
     }
 
-    /// The connection is gone: closed by the peer, or by the caller after `drain` asked.
+    /// The connection is gone: closed by the peer, or by the caller after `drain` asked. An
+    /// end the engine did not ask for is logged as "connection lost".
     pub fn closed(&mut self, id: ConnId, now: u64) {
+        self.closed_because(id, now, None)
+    }
+
+    /// `closed`, with the access log's reason for the end.
+    pub fn closed_because(&mut self, id: ConnId, now: u64, why: Option<&str>) {
         self.last_now = now;
         let Some(conn) = self.conn_mut(id) else {
             return;
         };
-        if conn.state != ConnState::Closing {
-            // Not a close the engine asked for: an abnormal disconnect (will is published).
-            self.disconnect_session(id, true, now);
+        let why = why.unwrap_or("connection lost");
+        match conn.state {
+            ConnState::Closing => {}
+            ConnState::Active => {
+                self.access("disconnect", id, 0, why);
+                self.active_conns -= 1;
+                // Not a close the engine asked for: an abnormal disconnect (will is published).
+                self.disconnect_session(id, true, now);
+            }
+            ConnState::AwaitAuth | ConnState::AuthContinue => {
+                self.stats.connections_refused += 1;
+                self.access("refused", id, 0, why);
+            }
+            ConnState::AwaitConnect => {}
         }
+        self.drop_hold(id);
+        let outstanding = self.conn(id).is_some_and(|c| c.auth_outstanding);
         // Keep the slot out of `dirty` handling: drain skips empty slots.
         self.conns[id as usize] = None;
-        self.free_conns.push(id);
+        self.quarantine_or_free(id, outstanding, now);
     }
 
     /// The transport's write buffer went above (false) or back below (true) its high mark.
@@ -288,6 +326,33 @@ impl Engine {
         self.sessions.iter().flatten().map(|s| s.queue.len()).sum()
     }
 
+    /// Payload bytes queued across sessions (a scan, like `queued_count`).
+    pub fn queued_bytes(&self) -> usize {
+        self.sessions.iter().flatten().map(|s| s.queued_bytes).sum()
+    }
+
+    /// Connections the caller was told to stop reading, not yet resumed.
+    pub fn held_count(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Intercepted publishes waiting for `release`.
+    pub fn intercepted_count(&self) -> usize {
+        self.intercepted.len()
+    }
+
+    /// Connections whose authentication is not yet decided (re-authentications included).
+    pub fn auth_pending_count(&self) -> usize {
+        self.conns
+            .iter()
+            .flatten()
+            .filter(|c| {
+                matches!(c.state, ConnState::AwaitAuth | ConnState::AuthContinue)
+                    || c.auth.as_ref().is_some_and(|a| a.reauth)
+            })
+            .count()
+    }
+
     // ---- internals shared by the handler files ----
 
     fn conn_mut(&mut self, id: ConnId) -> Option<&mut Conn> {
@@ -342,13 +407,34 @@ impl Engine {
     /// Closes `id` on the broker's initiative: MQTT 5 clients first get DISCONNECT with
     /// `reason` (if any). `abnormal` decides whether the will is published.
     fn close(&mut self, id: ConnId, reason: Option<u8>, detail: &str, abnormal: bool, now: u64) {
+        self.close_logged(id, reason, reason.unwrap_or(0), detail, abnormal, now);
+    }
+
+    /// `close`, with the reason code the access log records (a client's DISCONNECT code).
+    fn close_logged(
+        &mut self,
+        id: ConnId,
+        reason: Option<u8>,
+        access_code: u8,
+        detail: &str,
+        abnormal: bool,
+        now: u64,
+    ) {
         let Some(conn) = self.conn_mut(id) else {
             return;
         };
-        if conn.state == ConnState::Closing {
+        let state = conn.state;
+        if state == ConnState::Closing {
             return;
         }
-        let was_active = conn.state == ConnState::Active;
+        let was_active = state == ConnState::Active;
+        if was_active {
+            self.access("disconnect", id, access_code, detail);
+        } else {
+            self.stats.connections_refused += 1;
+            self.access("refused", id, access_code, detail);
+        }
+        let conn = self.conn_mut(id).expect("checked");
         let protocol = conn.protocol;
         let client = conn.client_id.clone();
         if let (Some(code), Protocol::V5, true) = (reason, protocol, was_active) {
@@ -376,12 +462,16 @@ impl Engine {
     /// Ignores further input from `id` and asks the caller to close it once its output is
     /// written.
     fn stop_reading_and_close(&mut self, id: ConnId) {
-        let Some(conn) = self.conn_mut(id) else {
+        let Some(conn) = self.conns.get_mut(id as usize).and_then(|c| c.as_mut()) else {
             return;
         };
+        if conn.state == ConnState::Active {
+            self.active_conns -= 1;
+        }
         conn.state = ConnState::Closing;
         conn.close_after_write = true;
         conn.rx.clear();
+        self.drop_hold(id);
         self.mark_dirty(id);
     }
 
@@ -468,13 +558,27 @@ impl Engine {
 
     fn handle(&mut self, id: ConnId, packet: Packet, now: u64) {
         let state = self.conn(id).map(|c| c.state);
-        if state == Some(ConnState::AwaitConnect) {
-            match packet {
-                Packet::Connect(connect) => self.handle_connect(id, *connect, now),
-                // Anything before CONNECT: close without a word (MQTT-3.1.0-1).
-                _ => self.close(id, None, "packet before CONNECT", false, now),
+        match state {
+            Some(ConnState::AwaitConnect) => {
+                match packet {
+                    Packet::Connect(connect) => self.handle_connect(id, connect, now),
+                    // Anything before CONNECT: close without a word (MQTT-3.1.0-1).
+                    _ => self.close(id, None, "packet before CONNECT", false, now),
+                }
+                return;
             }
-            return;
+            Some(ConnState::AuthContinue) => {
+                // Only AUTH or DISCONNECT may come during the exchange (MQTT 5 4.12).
+                match packet {
+                    Packet::Auth(a) => self.handle_auth(id, a, now),
+                    Packet::Disconnect(_) => {
+                        self.close(id, None, "disconnected during authentication", false, now)
+                    }
+                    _ => self.refuse(id, 0x82, "packet other than AUTH during authentication"),
+                }
+                return;
+            }
+            _ => {}
         }
         match packet {
             Packet::Publish(publish) => self.handle_publish(id, publish, now),
@@ -491,10 +595,7 @@ impl Engine {
             Packet::Connect(_) => {
                 self.close(id, Some(0x82), "second CONNECT", true, now);
             }
-            Packet::Auth(_) => {
-                // No enhanced authentication method is offered, so AUTH is unexpected.
-                self.close(id, Some(0x82), "unexpected AUTH", true, now);
-            }
+            Packet::Auth(a) => self.handle_auth(id, a, now),
             Packet::ConnAck(_) | Packet::SubAck(_) | Packet::UnsubAck(_) | Packet::PingResp => {
                 self.close(id, Some(0x82), "server-only packet from client", true, now);
             }
@@ -522,16 +623,8 @@ impl Engine {
         }
         // 0x04 = "disconnect with will message".
         let with_will = d.reason_code == 0x04;
-        self.close(id, None, "", with_will, now);
-        let client = self
-            .conn(id)
-            .map(|c| c.client_id.clone())
-            .unwrap_or_default();
-        self.event(
-            "disconnect",
-            client,
-            format!("client DISCONNECT 0x{:02x}", d.reason_code),
-        );
+        let detail = format!("client DISCONNECT 0x{:02x}", d.reason_code);
+        self.close_logged(id, None, d.reason_code, &detail, with_will, now);
     }
 
     /// PUBACK/PUBREC/PUBREL/PUBCOMP encoding helper.

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+use super::acl;
 use super::state::{AwaitingAck, ConnState, Delivery, Inflight, Message, SessionId};
 use super::{ConnId, Engine};
 use crate::codec::{self, Ack, Packet, Properties, Protocol, Publish, PublishOut, QoS};
@@ -51,6 +52,11 @@ impl Engine {
         let conn = self.conn_mut(id).expect("caller checked");
         let v5 = conn.protocol == Protocol::V5;
         let sid = conn.session.expect("active connection has a session");
+        conn.published = true;
+        if let Some(bucket) = conn.bucket.as_mut() {
+            bucket.take();
+        }
+        let has_permissions = conn.permissions.is_some();
         if !p.props().subscription_identifiers.is_empty() {
             // MQTT-3.3.4-6: only the server puts subscription identifiers in a PUBLISH.
             return self.close(
@@ -89,17 +95,18 @@ impl Engine {
         if p.topic.starts_with(b"$SYS") {
             // Only the broker writes $SYS: acknowledged (0x87 "not authorized" in MQTT 5) and
             // dropped, so a client cannot fake broker statistics.
-            let code = if v5 { 0x87 } else { 0 };
-            match p.qos {
-                QoS::AtMostOnce => {}
-                QoS::AtLeastOnce => {
-                    self.send(id, &Packet::PubAck(Engine::ack(p.pkid, code)));
-                }
-                QoS::ExactlyOnce => {
-                    self.send(id, &Packet::PubRec(Engine::ack(p.pkid, code)));
-                }
-            }
-            return;
+            return self.ack_not_authorized(id, v5, &p);
+        }
+        if has_permissions
+            && self
+                .conn(id)
+                .and_then(|c| c.permissions.as_deref())
+                .is_some_and(|perm| !perm.allows(acl::PUBLISH, &p.topic))
+        {
+            return self.deny_publish(id, v5, &p);
+        }
+        if self.cfg.intercept {
+            return self.intercept_publish(id, sid, p, now);
         }
         match p.qos {
             QoS::AtMostOnce => {
@@ -145,10 +152,59 @@ impl Engine {
         }
     }
 
+    /// A publish the connection's permissions do not allow: never routed, retained or
+    /// stored. MQTT 5 acknowledges QoS 1/2 with 0x87; 3.1.1 acknowledges positively
+    /// (MQTT-3.3.5-2 allows it) and the message is dropped.
+    fn deny_publish(&mut self, id: ConnId, v5: bool, p: &Publish) {
+        self.stats.publish_denied += 1;
+        let client = self
+            .conn(id)
+            .map(|c| c.client_id.clone())
+            .unwrap_or_default();
+        let topic = String::from_utf8_lossy(&p.topic).into_owned();
+        self.event("publish_denied", client, topic);
+        self.ack_not_authorized(id, v5, p);
+    }
+
+    /// Acknowledges a publish that is dropped: 0x87 in MQTT 5, success in 3.1.1 (which has
+    /// no failure code); QoS 0 gets nothing.
+    fn ack_not_authorized(&mut self, id: ConnId, v5: bool, p: &Publish) {
+        let code = if v5 { 0x87 } else { 0 };
+        match p.qos {
+            QoS::AtMostOnce => {}
+            QoS::AtLeastOnce => {
+                self.send(id, &Packet::PubAck(Engine::ack(p.pkid, code)));
+            }
+            QoS::ExactlyOnce => {
+                self.send(id, &Packet::PubRec(Engine::ack(p.pkid, code)));
+            }
+        }
+    }
+
+    /// Queues a checked client publish for the caller (config `intercept`). A QoS 2 resend
+    /// of a packet id already queued is ignored: its PUBREC goes out on release.
+    fn intercept_publish(&mut self, id: ConnId, sid: SessionId, p: Publish, now: u64) {
+        if p.qos == QoS::ExactlyOnce {
+            let receive_maximum = usize::from(self.cfg.receive_maximum);
+            let session = self.session(sid).expect("exists");
+            if session.inbound_qos2.contains(&p.pkid) {
+                if !session.intercepting.contains(&p.pkid) {
+                    self.send(id, &Packet::PubRec(Engine::ack(p.pkid, 0)));
+                }
+                return;
+            }
+            if session.inbound_qos2.len() >= receive_maximum {
+                return self.close(id, Some(0x93), "receive maximum exceeded", true, now);
+            }
+        }
+        let pkid = p.pkid;
+        self.intercept(id, sid, message_of(p, sid, now), pkid);
+    }
+
     /// The reason code of a QoS 1/2 publish's PUBACK / PUBREC (MQTT 5; 3.1.1 has none):
     /// 0x10 no matching subscribers, 0x97 quota exceeded when every subscriber's queue was
     /// full and dropped it.
-    fn publish_result(&self, v5: bool, delivered: usize, drops_before: u64) -> u8 {
+    pub(super) fn publish_result(&self, v5: bool, delivered: usize, drops_before: u64) -> u8 {
         if !v5 {
             0
         } else if delivered == 0 {
@@ -310,8 +366,9 @@ impl Engine {
         for (sid, opts, ids) in scratch.targets.drain(..) {
             let qos = msg.qos.min(opts.qos);
             let retain = msg.retain && opts.retain_as_published;
-            self.deliver(sid, &msg, qos, retain, ids, now);
-            count += 1;
+            if self.deliver(sid, &msg, qos, retain, ids, now) {
+                count += 1;
+            }
         }
         self.scratch = scratch;
         count
@@ -339,7 +396,8 @@ impl Engine {
     }
 
     /// Sends `msg` to session `sid` now if it can go, else queues it (bounded). A QoS 0
-    /// message that goes now is encoded straight from the shared message.
+    /// message that goes now is encoded straight from the shared message. Returns false
+    /// when the session may not read the topic (or is gone).
     pub(super) fn deliver(
         &mut self,
         sid: SessionId,
@@ -348,11 +406,16 @@ impl Engine {
         retain: bool,
         sub_ids: Vec<u32>,
         now: u64,
-    ) {
+    ) -> bool {
         let window = self.window(sid);
         let Some(session) = self.session(sid) else {
-            return;
+            return false;
         };
+        if let Some(perms) = &session.read_check {
+            if !perms.allows(acl::READ, &msg.topic) {
+                return false;
+            }
+        }
         let conn = session.conn;
         let can_send = match (conn, window) {
             (Some(_), Some(free)) => {
@@ -367,11 +430,11 @@ impl Engine {
             {
                 self.stats.publish_dropped += 1;
             }
-            return;
+            return true;
         }
         if conn.is_none() && qos == QoS::AtMostOnce {
             // Offline sessions keep QoS 1/2 only (MQTT 3.1.1 4.4, like Mosquitto's default).
-            return;
+            return true;
         }
         let d = Delivery {
             msg: msg.clone(),
@@ -385,6 +448,7 @@ impl Engine {
         } else {
             self.enqueue(sid, d);
         }
+        true
     }
 
     /// Free in-flight slots when `sid`'s connection may be written to now, else None.

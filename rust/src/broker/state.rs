@@ -5,6 +5,9 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 
+use super::acl::Permissions;
+use super::auth::AuthState;
+use super::limits::TokenBucket;
 use crate::codec::{LastWill, Properties, Protocol, QoS};
 use crate::topics::SubOpts;
 
@@ -72,6 +75,11 @@ pub struct Inflight {
 pub enum ConnState {
     /// Waiting for CONNECT.
     AwaitConnect,
+    /// A CONNECT (or the client's AUTH) awaits the caller's decision; input is buffered, not
+    /// decoded.
+    AwaitAuth,
+    /// The broker sent AUTH 0x18 and waits for the client's AUTH (or DISCONNECT).
+    AuthContinue,
     Active,
     /// The engine asked the caller to close it; input is ignored.
     Closing,
@@ -108,6 +116,29 @@ pub struct Conn {
     /// Whether the client wants reason strings and user properties on errors.
     pub problem_info: bool,
     pub client_id: Arc<str>,
+    /// Unique over the engine's life (connection ids are reused): what a late answer about
+    /// this connection is checked against.
+    pub serial: u64,
+    pub username: Option<Arc<str>>,
+    /// What the connection may do; None = everything (no check at all).
+    pub permissions: Option<Arc<Permissions>>,
+    /// Publish-rate limit, when configured.
+    pub bucket: Option<Box<TokenBucket>>,
+    /// Authentication in progress, or the enhanced-authentication method kept for
+    /// re-authentication.
+    pub auth: Option<Box<AuthState>>,
+    /// Publishes of this connection waiting in the interception queue.
+    pub intercepted: u32,
+    /// Whether packets are checked against limits before decoding (rate, interception).
+    pub gated: bool,
+    /// In the engine's held list: the caller stopped reading it.
+    pub held: bool,
+    /// Sent at least one PUBLISH.
+    pub published: bool,
+    /// The caller holds an authentication request about it, not yet answered.
+    pub auth_outstanding: bool,
+    /// A CONNECT was decoded: `protocol` is the client's.
+    pub connect_seen: bool,
 }
 
 impl Conn {
@@ -132,6 +163,17 @@ impl Conn {
             in_aliases: HashMap::new(),
             problem_info: true,
             client_id: Arc::from(""),
+            serial: 0,
+            username: None,
+            permissions: None,
+            bucket: None,
+            auth: None,
+            intercepted: 0,
+            gated: false,
+            held: false,
+            published: false,
+            auth_outstanding: false,
+            connect_seen: false,
         }
     }
 }
@@ -165,6 +207,12 @@ pub struct Session {
     pub inbound_qos2: HashSet<u16>,
     /// A will waiting for its delay (or the session end) after an abnormal disconnect.
     pub pending_will: Option<(Box<LastWill>, u64)>,
+    /// Set when some subscription is not wholly inside the permissions' READ rules: each
+    /// message delivered is then checked against them.
+    pub read_check: Option<Arc<Permissions>>,
+    /// QoS 2 packet ids received and waiting in the interception queue: a resend is ignored
+    /// (the PUBREC goes out on release).
+    pub intercepting: Vec<u16>,
 }
 
 impl Session {
@@ -185,6 +233,8 @@ impl Session {
             next_pkid: 1,
             inbound_qos2: HashSet::new(),
             pending_will: None,
+            read_check: None,
+            intercepting: Vec::new(),
         }
     }
 

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use super::acl;
 use super::state::Message;
 use super::{ConnId, Engine};
 use crate::codec::{Packet, Protocol, QoS, SubAck, Subscribe, UnsubAck, Unsubscribe};
@@ -13,6 +14,9 @@ impl Engine {
         let conn = self.conn(id).expect("caller checked");
         let v5 = conn.protocol == Protocol::V5;
         let sid = conn.session.expect("active connection has a session");
+        let permissions = conn.permissions.clone();
+        let client = conn.client_id.clone();
+        let mut needs_read_check = false;
         let identifier = s
             .props()
             .subscription_identifiers
@@ -42,6 +46,16 @@ impl Engine {
                 codes.push(if v5 { 0x87 } else { 0x80 });
                 continue;
             }
+            if let Some(perms) = &permissions {
+                if !perms.covers(acl::SUBSCRIBE, &f.filter) {
+                    self.stats.subscribe_denied += 1;
+                    self.event("subscribe_denied", client.clone(), f.filter.clone());
+                    codes.push(if v5 { 0x87 } else { 0x80 });
+                    continue;
+                }
+                // Messages for a filter inside the READ rules need no check each.
+                needs_read_check |= !perms.covers(acl::READ, &f.filter);
+            }
             let granted = QoS::from_u8((f.qos as u8).min(self.cfg.maximum_qos)).expect("0..=2");
             let opts = SubOpts {
                 qos: granted,
@@ -66,6 +80,9 @@ impl Engine {
             if send_retained {
                 retained_for.push((f.filter.clone(), opts));
             }
+        }
+        if needs_read_check {
+            self.session_mut(sid).expect("exists").read_check = permissions;
         }
         self.persist_session(sid, now);
         self.send(

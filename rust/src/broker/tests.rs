@@ -34,6 +34,11 @@ impl Harness {
         }
     }
 
+    /// Declares the protocol of a connection opened without `connect_with`.
+    pub(super) fn register(&mut self, id: ConnId, protocol: Protocol) {
+        self.protocols.insert(id, protocol);
+    }
+
     pub(super) fn send(&mut self, id: ConnId, p: Packet) {
         let mut buf = Vec::new();
         codec::encode(&p, self.protocols[&id], &mut buf).unwrap();
@@ -457,6 +462,29 @@ fn keepalive_and_connect_timeouts_close() {
     h.e.tick(h.now);
     h.recv();
     assert!(h.closed.contains(&silent));
+}
+
+#[test]
+fn keepalive_counts_whole_packets_not_bytes() {
+    // A packet trickled in a byte a second (slowloris) is no control packet: keep alive
+    // (2 s, so 3 s of grace) closes the connection before the packet is complete.
+    let mut h = Harness::new();
+    let mut c = connect("trickle", Protocol::V311, true);
+    c.keep_alive = 2;
+    let (k, _) = h.connect_with(c);
+    let mut bytes = Vec::new();
+    let p = publish("t/slow", "0123456789", QoS::AtMostOnce, false, 0);
+    codec::encode(&Packet::Publish(p), Protocol::V311, &mut bytes).unwrap();
+    for byte in &bytes[..bytes.len() - 1] {
+        h.now += 1000;
+        h.e.feed(k, std::slice::from_ref(byte), h.now);
+        h.e.tick(h.now);
+        h.recv();
+    }
+    assert!(
+        h.closed.contains(&k),
+        "a trickled packet kept the connection alive"
+    );
 }
 
 #[test]

@@ -41,14 +41,17 @@ impl Engine {
         for (i, conn) in self.conns.iter().enumerate() {
             let Some(conn) = conn else { continue };
             match conn.state {
-                ConnState::AwaitConnect
+                // Pending authentication counts: until CONNACK, the connect timeout applies.
+                ConnState::AwaitConnect | ConnState::AwaitAuth | ConnState::AuthContinue
                     if now.saturating_sub(conn.opened_at) >= connect_timeout =>
                 {
                     to_close.push((i as ConnId, false));
                 }
-                // MQTT-3.1.2-24: one and a half times the keepalive without a packet.
+                // MQTT-3.1.2-24: one and a half times the keepalive without a packet. A held
+                // connection is silent because the broker stopped reading it.
                 ConnState::Active
                     if conn.keep_alive_ms > 0
+                        && !conn.held
                         && now.saturating_sub(conn.last_rx) >= conn.keep_alive_ms * 3 / 2 =>
                 {
                     to_close.push((i as ConnId, true));
@@ -61,9 +64,11 @@ impl Engine {
                 // 0x8D: keep alive timeout; the will is published (abnormal end).
                 self.close(id, Some(0x8D), "keep alive timeout", true, now);
             } else {
-                self.close(id, None, "no CONNECT in time", false, now);
+                self.close(id, None, "connect timeout", false, now);
             }
         }
+        self.retry_held(now);
+        self.expire_quarantine(now);
 
         let mut wills = Vec::new();
         let mut expired: Vec<SessionId> = Vec::new();

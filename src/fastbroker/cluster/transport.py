@@ -71,6 +71,20 @@ BACKOFF_MAX_S = 2.0
 MessageHandler = Callable[[str, int, Any], None]
 
 
+class Traffic:
+    """Bytes and frames exchanged with one peer over all its links, reconnects included
+    (for /metrics: counters that only grow)."""
+
+    __slots__ = ("bytes_in", "bytes_out", "dropped_frames", "frames_in", "frames_out")
+
+    def __init__(self) -> None:
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.frames_in = 0
+        self.frames_out = 0
+        self.dropped_frames = 0
+
+
 def format_address(address: tuple[str, int]) -> str:
     host, port = address
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -127,6 +141,12 @@ class Link(asyncio.Protocol):
         self.counted = False
         self.bytes_in = 0
         self.bytes_out = 0
+        self.frames_in = 0
+        self.frames_out = 0
+        # Where this link's traffic is also added up: the traffic before authentication
+        # (handshakes, strangers), then, once up, its peer's (only an authenticated peer gets
+        # a total of its own: a stranger cannot grow the dict of peers).
+        self.traffic = transport_owner.unauthenticated
         self.last_received = transport_owner.loop.time()
         # Socket writes made by flush(): frames queued in one loop iteration share one.
         self.writes = 0
@@ -157,6 +177,7 @@ class Link(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.bytes_in += len(data)
+        self.traffic.bytes_in += len(data)
         self.last_received = self.owner.loop.time()
         if not self.up and self.bytes_in > MAX_UNAUTHENTICATED_BYTES:
             self.fail("too many bytes before the handshake completed")
@@ -166,6 +187,8 @@ class Link(asyncio.Protocol):
         except ValueError as error:
             self.fail(f"malformed frame: {error}")
             return
+        self.frames_in += len(frames)
+        self.traffic.frames_in += len(frames)
         for kind, value in frames:
             if self.closed:
                 return
@@ -210,6 +233,7 @@ class Link(asyncio.Protocol):
                 self.handshake_timer.cancel()
             self.uncount()
             self.up = True
+            self.traffic = owner.traffic_of(self.peer_id)
             owner.link_up(self)
             return
         self.reject(f"unexpected frame kind {kind} during the handshake")
@@ -285,8 +309,11 @@ class Link(asyncio.Protocol):
             return False
         if transport.get_write_buffer_size() > WRITE_HIGH_WATER:
             self.dropped_frames += 1
+            self.traffic.dropped_frames += 1
             return False
         self.pending.append(fastbroker_core.encode_frame(kind, value))
+        self.frames_out += 1
+        self.traffic.frames_out += 1
         if not self.flush_scheduled:
             self.flush_scheduled = True
             self.owner.loop.call_soon(self.flush)
@@ -297,6 +324,7 @@ class Link(asyncio.Protocol):
         if self.pending and not self.closed and self.transport is not None:
             data = b"".join(self.pending)
             self.bytes_out += len(data)
+            self.traffic.bytes_out += len(data)
             self.writes += 1
             self.transport.write(data)
         self.pending.clear()
@@ -305,6 +333,9 @@ class Link(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             data = fastbroker_core.encode_frame(kind, value)
             self.bytes_out += len(data)
+            self.frames_out += 1
+            self.traffic.bytes_out += len(data)
+            self.traffic.frames_out += 1
             self.transport.write(data)
 
     def fail(self, why: str) -> None:
@@ -355,6 +386,9 @@ class Transport:
         self.address_ids: dict[tuple[str, int], str] = {}
         self.blocked: set[str] = set()
         self.handshaking = 0
+        # Traffic per authenticated peer since this node started, and before authentication.
+        self.traffic: dict[str, Traffic] = {}
+        self.unauthenticated = Traffic()
         # A link that has received nothing for this long is closed (a half-open connection
         # to a peer that vanished); peers ping far more often. None: never.
         self.idle_timeout_s: float | None = None
@@ -489,6 +523,12 @@ class Transport:
             return False
         return link.send(kind, value)
 
+    def traffic_of(self, peer: str) -> Traffic:
+        traffic = self.traffic.get(peer)
+        if traffic is None:
+            traffic = self.traffic[peer] = Traffic()
+        return traffic
+
     def connected(self) -> list[str]:
         return sorted(self.links)
 
@@ -504,6 +544,8 @@ class Transport:
             peer: {
                 "bytes_in": link.bytes_in,
                 "bytes_out": link.bytes_out,
+                "frames_in": link.frames_in,
+                "frames_out": link.frames_out,
                 "dropped_frames": link.dropped_frames,
                 "protocol": link.version or 0,
             }

@@ -1,0 +1,324 @@
+"""Prometheus metrics for the admin endpoint's GET /metrics.
+
+Nothing is counted here: a custom collector reads the live values at scrape time (the engine's
+counters, the store's batch timings, the cluster transport's traffic, the process) and
+prometheus_client writes them in the text exposition format from a private registry. Scrapes
+cost the broker nothing between them, and the publish path nothing at all.
+
+The sources are handed over as plain objects (engine, connection-layer server, store, cluster
+node or None, readiness); whatever a source does not offer (an older engine's stats, a
+standalone broker's cluster) is left out rather than reported as zero. docs/operations.md
+lists every metric.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from fastbroker.store import LATENCY_BUCKETS_NS
+
+# The classic text format (0.0.4): what every Prometheus version and scraper reads.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "fastbroker_"
+
+# engine.stats() key -> (metric name without prefix, "gauge" | "counter", help). Keys the
+# engine does not report are skipped, so an engine with fewer counters still scrapes.
+ENGINE_STATS: dict[str, tuple[str, str, str]] = {
+    "clients_connected": ("clients_connected", "gauge", "MQTT clients connected (CONNECT done)"),
+    "sessions": ("sessions", "gauge", "Sessions held, connected or not"),
+    "subscriptions": ("subscriptions", "gauge", "Subscriptions of all sessions"),
+    "retained": ("retained_messages", "gauge", "Retained messages held"),
+    "queued": ("queued_messages", "gauge", "Messages queued for sessions, beyond in-flight"),
+    "queued_bytes": ("queued_bytes", "gauge", "Bytes of the messages queued for sessions"),
+    "inflight": ("inflight_messages", "gauge", "QoS 1/2 messages sent, not yet acknowledged"),
+    "held_connections": (
+        "held_connections",
+        "gauge",
+        "Connections not read for now (publish rate limit, interception, pending auth)",
+    ),
+    "intercepted_pending": (
+        "intercepted_pending",
+        "gauge",
+        "Messages waiting for the interception plugin",
+    ),
+    "auth_pending": ("auth_pending", "gauge", "Connects waiting for the authentication plugin"),
+    "messages_received": ("messages_received", "counter", "PUBLISH packets received"),
+    "messages_sent": ("messages_sent", "counter", "PUBLISH packets sent"),
+    "bytes_received": ("bytes_received", "counter", "Bytes received from MQTT clients"),
+    "bytes_sent": ("bytes_sent", "counter", "Bytes sent to MQTT clients"),
+    "publish_dropped": (
+        "publish_dropped",
+        "counter",
+        "Messages not delivered to a session: its queue was full, or expired",
+    ),
+    "publish_denied": ("publish_denied", "counter", "PUBLISH packets refused by the ACL"),
+    "subscribe_denied": ("subscribe_denied", "counter", "Topic filters refused a subscription"),
+    "connections_refused": (
+        "connections_refused",
+        "counter",
+        "CONNECTs refused (bad credentials, not authorized, over max_connections, ...)",
+    ),
+    "access_events_dropped": (
+        "access_events_dropped",
+        "counter",
+        "Access log events lost because too many piled up between two reads",
+    ),
+}
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+# Histogram bucket bounds as Prometheus writes them ("0.0001", ..., "1.0").
+BUCKET_LABELS = [repr(bound / 1e9) for bound in LATENCY_BUCKETS_NS] + ["+Inf"]
+
+
+def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+
+def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+def histogram(name: str, doc: str, latency: Any) -> HistogramMetricFamily:
+    """A fastbroker.store.LatencyHistogram (nanoseconds) as a histogram in seconds."""
+    cumulative = 0
+    buckets = []
+    for label, count in zip(BUCKET_LABELS, latency.counts, strict=True):
+        cumulative += count
+        buckets.append((label, cumulative))
+    return HistogramMetricFamily(
+        PREFIX + name, doc, buckets=buckets, sum_value=latency.sum_ns / 1e9
+    )
+
+
+def resident_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def open_fds() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+
+
+def connections_by_listener(server: Any) -> dict[tuple[str, str], int]:
+    """Open connections per (listener, transport). Without per-connection details (an older
+    connection layer), one total with empty labels."""
+    connections = getattr(server, "connections", None)
+    if isinstance(connections, list):
+        counts: dict[tuple[str, str], int] = {}
+        for connection in connections:
+            if connection is None:
+                continue
+            info = getattr(connection, "info", None) or {}
+            key = (str(info.get("listener") or ""), str(info.get("transport") or ""))
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+    total = getattr(server, "open_connections", None)
+    return {("", ""): total} if isinstance(total, int) else {}
+
+
+class BrokerCollector:
+    """Reads every metric from its sources at scrape time."""
+
+    def __init__(
+        self,
+        *,
+        engine: Any,
+        server: Any = None,
+        store: Any = None,
+        cluster: Any = None,
+        readiness: Any = None,
+        version: str = "",
+    ) -> None:
+        self.engine = engine
+        self.server = server
+        self.store = store
+        self.cluster = cluster
+        self.readiness = readiness
+        self.version = version
+        self.started = time.monotonic()
+
+    def describe(self) -> list[Metric]:
+        # Nothing to check at registration (the registry would otherwise collect once).
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.process_metrics()
+        yield from self.broker_metrics()
+        yield from self.store_metrics()
+        if self.cluster is not None:
+            yield from self.cluster_metrics()
+
+    def process_metrics(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily(
+            PREFIX + "build_info", "The broker's version (always 1)", labels=["version"]
+        )
+        info.add_metric([self.version], 1)
+        yield info
+        yield gauge("uptime_seconds", "Seconds since the broker started", self.uptime())
+        rss = resident_bytes()
+        if rss is not None:
+            yield gauge("resident_memory_bytes", "Resident memory of the process (RSS)", rss)
+        fds = open_fds()
+        if fds is not None:
+            yield gauge("open_fds", "Open file descriptors (sockets included)", fds)
+        yield gauge(
+            "max_fds",
+            "Limit of open file descriptors",
+            resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        )
+        cpu = os.times()
+        yield counter("cpu_seconds", "CPU time used, user and system", cpu.user + cpu.system)
+        yield gauge(
+            "memory_pressure",
+            "1 while memory is past the high-water mark (publishers are not read)",
+            int(bool(getattr(self.server, "memory_pressure", 0))),
+        )
+        if self.readiness is not None:
+            yield gauge("ready", "1 when GET /ready answers 200", int(not self.readiness.reasons()))
+
+    def uptime(self) -> float:
+        return time.monotonic() - self.started
+
+    def broker_metrics(self) -> Iterator[Metric]:
+        server = self.server
+        if server is not None:
+            connections = GaugeMetricFamily(
+                PREFIX + "connections",
+                "Open network connections (MQTT connected or not), per listener and transport",
+                labels=["listener", "transport"],
+            )
+            for (listener, transport), count in sorted(connections_by_listener(server).items()):
+                connections.add_metric([listener, transport], count)
+            yield connections
+            refused = getattr(server, "sockets_refused", None)
+            if isinstance(refused, int):
+                yield counter(
+                    "sockets_refused",
+                    "Sockets closed on accept (connection rate or socket cap)",
+                    refused,
+                )
+            held = getattr(server, "memory_held_connections", None)
+            if isinstance(held, int):
+                yield gauge(
+                    "memory_held_connections",
+                    "Publishers not read because of memory pressure",
+                    held,
+                )
+        stats: Mapping[str, Any] = self.engine.stats()
+        for key, (name, kind, doc) in ENGINE_STATS.items():
+            value = stats.get(key)
+            if value is None:
+                continue
+            yield (gauge if kind == "gauge" else counter)(name, doc, value)
+
+    def store_metrics(self) -> Iterator[Metric]:
+        store = self.store
+        if store is not None and hasattr(store, "write_latency"):
+            yield histogram(
+                "store_write_seconds",
+                "Time to apply one batch of store writes (one per event-loop iteration)",
+                store.write_latency,
+            )
+            yield histogram(
+                "store_sync_seconds",
+                'Time of one WAL sync (fsync = "interval"; "always" syncs within the write)',
+                store.sync_latency,
+            )
+            yield counter(
+                "store_write_errors", "Store writes and syncs that failed", store.write_errors
+            )
+            yield counter(
+                "store_records_written",
+                "Records written or deleted in the store",
+                store.records_written,
+            )
+        failing = getattr(self.server, "store_failing", None)
+        if failing is not None:
+            yield gauge(
+                "store_failing",
+                "1 while store writes fail (the broker holds output until they succeed)",
+                int(bool(failing)),
+            )
+
+    def cluster_metrics(self) -> Iterator[Metric]:
+        cluster = self.cluster
+        transport = cluster.transport
+        directions = (
+            ("bytes_received", "bytes_in", "Bytes received from a peer node"),
+            ("bytes_sent", "bytes_out", "Bytes sent to a peer node"),
+            ("frames_received", "frames_in", "Frames received from a peer node"),
+            ("frames_sent", "frames_out", "Frames sent to a peer node"),
+            (
+                "frames_dropped",
+                "dropped_frames",
+                "Frames not sent: the link's send buffer was full",
+            ),
+        )
+        traffic = sorted(getattr(transport, "traffic", {}).items())
+        for name, field, doc in directions:
+            family = CounterMetricFamily(
+                PREFIX + "cluster_" + name, doc + ", over all links", labels=["peer"]
+            )
+            for peer, counts in traffic:
+                family.add_metric([peer], getattr(counts, field))
+            yield family
+        before = getattr(transport, "unauthenticated", None)
+        if before is not None:
+            yield counter(
+                "cluster_handshake_bytes_received",
+                "Bytes received on links before they authenticated (handshakes, strangers)",
+                before.bytes_in,
+            )
+            yield counter(
+                "cluster_handshake_bytes_sent",
+                "Bytes sent on links before they authenticated",
+                before.bytes_out,
+            )
+        yield gauge("cluster_links_up", "Authenticated links to other nodes", len(transport.links))
+        status = cluster.status()
+        raft = status.get("raft") or {}
+        yield gauge(
+            "cluster_members", "Members in the cluster map (0: no map yet)", len(status["members"])
+        )
+        yield gauge(
+            "cluster_member", "1 when this node is in the cluster map", int(bool(status["member"]))
+        )
+        yield gauge(
+            "cluster_is_leader",
+            "1 when this node leads the cluster's consensus",
+            int(status.get("leader") == status.get("node_id")),
+        )
+        yield gauge("cluster_raft_term", "Consensus term", raft.get("term", 0))
+        version = status.get("map_version")
+        if version is not None:
+            yield gauge("cluster_map_version", "Version of the cluster map", version)
+
+
+class BrokerMetrics:
+    """The /metrics document: `render()` collects and formats at each scrape."""
+
+    def __init__(self, collector: BrokerCollector) -> None:
+        self.collector = collector
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(collector)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
