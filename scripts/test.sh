@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Installs what the tests need (Debian packages, a Python venv with both wheels) and runs every
-# check and test: rustfmt, clippy, cargo test, ruff, stubtest, pytest. Stops at the first failure.
+# check and test: rustfmt, clippy, cargo test, fuzzing, ruff, stubtest, pytest. Stops at the
+# first failure.
 #
 # Needs: Debian with Python >= 3.11 and cargo. Environment knobs:
 #   PYTHON               interpreter for the venv (default: python3)
 #   FASTBROKER_VENV      venv location (default: build/test-venv in the checkout, git-ignored)
 #   PYTEST_TIMEOUT       per-test timeout in seconds (default: 120)
+#   FASTBROKER_SKIP_FUZZ 1 skips ci/fuzz.sh (ignored when CI=true); FUZZ_SECONDS sets its time
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -90,6 +92,13 @@ check "cargo clippy (no default features)" \
     cargo clippy --manifest-path rust/Cargo.toml --all-targets --no-default-features -- -D warnings
 # Without the python feature: the pure-Rust tests need no libpython to link against.
 check "cargo test" cargo test --manifest-path rust/Cargo.toml --no-default-features
+# Bounded fuzzing of the codecs and the engine (docs/fuzzing.md). FASTBROKER_SKIP_FUZZ=1 skips
+# it on a developer's machine; CI always runs it.
+if [[ ${FASTBROKER_SKIP_FUZZ:-} == 1 && ${CI:-} != true ]]; then
+    step "fuzzing skipped (FASTBROKER_SKIP_FUZZ=1)"
+else
+    check "fuzzing (ci/fuzz.sh, ${FUZZ_SECONDS:-60} s per target)" bash ci/fuzz.sh
+fi
 check "cargo test (load generator)" cargo test --release --manifest-path bench/loadgen/Cargo.toml
 check "cargo fmt/clippy (load generator)" bash -c "cargo fmt --manifest-path bench/loadgen/Cargo.toml --check && cargo clippy --release --manifest-path bench/loadgen/Cargo.toml --all-targets -- -D warnings"
 
