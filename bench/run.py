@@ -18,6 +18,13 @@ persistence on in both brokers; they are part of the full run but not of --quick
 gate's set). startup-1m fills a stored session with 1,000,000 messages, stops the broker with
 SIGTERM and times its restart on the same data until a CONNACK.
 
+The security scenarios (--scenarios security: fan-in-acl, connect-plain, connect-auth,
+pairs-tls, pairs-ws) run only when named. Each repeats a standard load with one feature on in
+both brokers: an ACL file, a password file (each broker's own tool and default hash, whose
+costs are timed in isolation and logged), a TLS or a WebSocket listener. Certificates and
+password files are made at run time (openssl, fastbroker passwd, mosquitto_passwd) in the
+run's temporary directory.
+
 Only the processes this script starts are ever stopped, by PID, with bounded waits.
 Standard library only; Linux only (/proc).
 """
@@ -26,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import base64
 import ctypes
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -69,6 +78,15 @@ SHUTDOWN_TIMEOUT_S = 120.0  # SIGTERM -> exit after the fill (Mosquitto writes i
 STARTUP_TIMEOUT_S = 120.0  # process start -> CONNACK
 DRAIN_TIME_LIMIT_S = 30.0  # the optional drain of the stored messages after start-up
 PROBE_RETRY_S = 0.002  # start-up probe: pause between refused connects
+# Security scenarios (opt-in: --scenarios security). Throwaway credentials and certificates,
+# made at run time in the run's temporary directory (deleted at its end).
+BENCH_USERNAME = "bench"
+BENCH_PASSWORD = "bench-password-not-secret"
+AUTH_CONNECTIONS = 300  # connect-auth: fastbroker's scrypt checks take ~10 s for these
+AUTH_CONCURRENCY = 32  # under fastbroker's 256 waiting checks (0x89 past them)
+WS_PATH = "/mqtt"
+HASH_TIMING_S = 1.0  # measuring each hash function's cost in isolation
+SECURITY_NAMES = ("fan-in-acl", "connect-plain", "connect-auth", "pairs-tls", "pairs-ws")
 
 # Mosquitto runs with its limits lifted, so it never drops, queues or throttles where fastbroker
 # would not; fastbroker runs with its default settings (the targets are for those), except in
@@ -154,6 +172,20 @@ STARTUP_PERSISTENCE = Persistence(
 
 
 @dataclass(frozen=True)
+class Security:
+    """What a security scenario turns on, the same way in both brokers: an ACL file, a
+    password file (then anonymous clients are refused), and the transport (tcp, tls, ws).
+    The loadgen's clients get the matching options (see security_loadgen_options)."""
+
+    acl: bool = False
+    passwords: bool = False
+    transport: str = "tcp"  # tcp | tls | ws
+
+    def params(self) -> dict[str, Any]:
+        return {"acl": self.acl, "passwords": self.passwords, "transport": self.transport}
+
+
+@dataclass(frozen=True)
 class Figure:
     """One measured number of a scenario: a key of the loadgen's JSON (or one the harness
     derives, such as rss_per_conn_bytes), shown as one table row with its own ratio."""
@@ -175,6 +207,7 @@ class Scenario:
     uses_broker: bool = True
     persistence: Persistence | None = None  # None: nothing persisted (the standard set)
     kind: str = "loadgen"  # "loadgen": one timed loadgen run; "startup": see measure_startup
+    security: Security | None = None  # None: plain TCP, no auth (every standard scenario)
 
     def loadgen_args(self, settings: Settings) -> list[str]:
         """The loadgen's command line (for "startup", that of its fill phase)."""
@@ -190,12 +223,16 @@ class Scenario:
             ]
         for key, value in self.options:
             args += [f"--{key}", value]
+        if self.security is not None:
+            args += security_loadgen_options(self.security)
         return args
 
     def params(self, settings: Settings) -> dict[str, Any]:
         out: dict[str, Any] = {"loadgen_scenario": self.command}
         for key, value in self.options:
             out[key] = parse_scalar(value)
+        if self.security is not None:
+            out["security"] = self.security.params()
         if self.kind == "loadgen":
             out["duration_s"] = settings.duration
             out["warmup_s"] = settings.warmup
@@ -220,6 +257,7 @@ class Settings:
     hold: float = 3.0
     payloads: tuple[int, ...] = (16, 1024, 65536)
     quick: bool = False
+    auth_connections: int = AUTH_CONNECTIONS
 
 
 QUICK = Settings(rounds=3, duration=2.0, warmup=0.5, connections=3000, hold=1.5, quick=True)
@@ -381,6 +419,72 @@ def persistent_scenarios(settings: Settings) -> list[Scenario]:
     return scenarios
 
 
+def security_loadgen_options(sec: Security) -> list[str]:
+    """The loadgen options for a transport ({tls_ca} is filled in per run)."""
+    if sec.transport == "tls":
+        return ["--tls-ca", "{tls_ca}"]
+    if sec.transport == "ws":
+        return ["--ws-path", WS_PATH]
+    return []
+
+
+def security_scenarios(settings: Settings) -> list[Scenario]:
+    """What the security features cost, each at the load of a standard scenario so the two
+    compare: run only when named (--scenarios security, or by name)."""
+    o = tuple
+    user = ("username", BENCH_USERNAME)
+    pairs = [("pairs", "50"), ("payload", "64")]
+    n = settings.auth_connections
+    connect = [("count", str(n)), ("hold", "0.5"), ("concurrency", str(AUTH_CONCURRENCY))]
+    msgs = (Figure("delivered_per_s", "delivered msg/s", unit=MSGS),)
+    conn_figures = (Figure("connects_per_s", "connects/s", unit="conn/s"),)
+    return [
+        Scenario(
+            "fan-in-acl",
+            "fan-in",
+            o([("publishers", "8"), ("payload", "64"), ("qos", "0"), user]),
+            f"fan-in with an ACL file of {len(ACL_RULES)} rules (per user, %c/%u patterns) "
+            f"that allows it; clients send username {BENCH_USERNAME}, no password",
+            msgs,
+            security=Security(acl=True),
+        ),
+        Scenario(
+            "connect-plain",
+            "connections",
+            o(connect),
+            f"{n} connections, {AUTH_CONCURRENCY} connecting at a time, no credentials "
+            "(the baseline of connect-auth)",
+            conn_figures,
+        ),
+        Scenario(
+            "connect-auth",
+            "connections",
+            o([*connect, user, ("password", BENCH_PASSWORD)]),
+            f"{n} connections with username/password checked against a password file, "
+            f"{AUTH_CONCURRENCY} at a time; fastbroker scrypt (its default cost), mosquitto "
+            "PBKDF2-SHA512 (its default): the hash costs differ, see the log",
+            conn_figures,
+            security=Security(passwords=True),
+        ),
+        Scenario(
+            "pairs-tls",
+            "pairs",
+            o(pairs),
+            "pairs over TLS (throwaway P-256 certificate; rustls client)",
+            msgs,
+            security=Security(transport="tls"),
+        ),
+        Scenario(
+            "pairs-ws",
+            "pairs",
+            o(pairs),
+            f"pairs over WebSocket (path {WS_PATH}, subprotocol mqtt)",
+            msgs,
+            security=Security(transport="ws"),
+        ),
+    ]
+
+
 def default_scenarios(settings: Settings) -> list[Scenario]:
     """What runs without --scenarios: everything, or with --quick the standard set only."""
     if settings.quick:
@@ -392,7 +496,8 @@ def select_scenarios(
     scenarios: list[Scenario], spec: str | None, extra: Sequence[Scenario] = ()
 ) -> list[Scenario]:
     """--scenarios: names, "payload" for the whole sweep, "persistent" for the durable-storage
-    scenarios; the loopback ceiling comes along with any payload scenario. Without a spec,
+    scenarios, "security" for the security ones; the loopback ceiling comes along with any
+    payload scenario. Without a spec,
     `scenarios`; with one, any of `scenarios` and `extra` (scenarios run only when named)."""
     if not spec:
         return scenarios
@@ -401,6 +506,9 @@ def select_scenarios(
     known = {s.name for s in pool} | {"payload"}
     if any(s.persistence for s in pool):
         known.add("persistent")
+    security = {s.name for s in pool if s.name in SECURITY_NAMES}
+    if security:
+        known.add("security")
     unknown = wanted - known
     if unknown:
         raise SystemExit(
@@ -408,6 +516,8 @@ def select_scenarios(
         )
     if "persistent" in wanted:
         wanted |= {s.name for s in pool if s.persistence}
+    if "security" in wanted:
+        wanted |= security
     scenarios = pool
     if "payload" in wanted:
         wanted |= {s.name for s in scenarios if s.command == "throughput"}
@@ -416,14 +526,336 @@ def select_scenarios(
     return [s for s in scenarios if s.name in wanted]
 
 
+# --------------------------------------------------------------------------- security set-up
+
+PUB, SUB, READ = "publish", "subscribe", "read"
+ALL = frozenset({PUB, SUB, READ})
+# One ACL for both brokers: (user or None for a pattern that applies to everyone, rights,
+# filter). fan-in's traffic is allowed by two of them: the publishers (username bench, topics
+# bench/in/NN) by the %u pattern, the subscriber (bench/in/+) by a rule of user bench; the
+# others are what a real file holds besides (other users, per-client subtrees), there so that
+# a broker that scans its rules pays for them. Mosquitto's topic lines before the first user
+# line apply to anonymous clients only (fastbroker's to everyone), so everyone-rules are
+# patterns here.
+ACL_RULES: tuple[tuple[str | None, frozenset[str], str], ...] = (
+    (None, ALL, "clients/%c/#"),
+    (None, frozenset({PUB}), "devices/%c/telemetry"),
+    (None, frozenset({SUB, READ}), "devices/%c/commands/#"),
+    (None, ALL, "users/%u/#"),
+    (None, frozenset({SUB, READ}), "%u/status/%c"),
+    (None, frozenset({PUB}), "%u/in/+"),
+    ("alice", ALL, "sensors/alice/#"),
+    ("alice", frozenset({SUB, READ}), "alerts/#"),
+    ("alice", frozenset({PUB}), "logs/alice/#"),
+    ("bob", ALL, "sensors/bob/#"),
+    ("bob", frozenset({SUB, READ}), "alerts/#"),
+    ("bob", frozenset({PUB}), "logs/bob/#"),
+    ("carol", ALL, "home/carol/#"),
+    ("carol", frozenset({SUB, READ}), "home/+/status"),
+    (BENCH_USERNAME, frozenset({PUB}), "bench/out/#"),
+    (BENCH_USERNAME, ALL, "bench/control/#"),
+    (BENCH_USERNAME, frozenset({SUB, READ}), "bench/status/#"),
+    (BENCH_USERNAME, frozenset({SUB, READ}), "bench/in/+"),
+    (BENCH_USERNAME, frozenset({PUB}), "bench/alerts/#"),
+    ("dave", ALL, "factory/line-1/#"),
+    ("dave", frozenset({SUB, READ}), "factory/+/alarms"),
+)
+
+
+def acl_rights(broker: str, rights: frozenset[str]) -> str:
+    """Rights in each broker's words. Mosquitto's `read` also allows subscribing, so
+    subscribe+read is `read` there; fastbroker needs `subscribe,read` for the same."""
+    if rights == ALL:
+        return "readwrite"
+    if broker == "mosquitto":
+        if rights == {PUB}:
+            return "write"
+        if rights <= {SUB, READ}:
+            return "read"
+    elif broker == "fastbroker":
+        return ",".join(r for r in (PUB, SUB, READ) if r in rights)
+    raise ValueError(f"no {broker} words for {sorted(rights)}")
+
+
+def acl_text(broker: str) -> str:
+    """The ACL file of ACL_RULES for `broker` (fastbroker and mosquitto share the syntax of
+    `user`, `topic` and `pattern` lines, not the rights' names)."""
+    lines = [f"# fastbroker benchmark ACL ({len(ACL_RULES)} rules) for {broker}"]
+    lines += [
+        f"pattern {acl_rights(broker, rights)} {flt}"
+        for user, rights, flt in ACL_RULES
+        if user is None
+    ]
+    users = list(dict.fromkeys(u for u, _, _ in ACL_RULES if u is not None))
+    for name in users:
+        lines += ["", f"user {name}"]
+        lines += [
+            f"topic {acl_rights(broker, rights)} {flt}"
+            for user, rights, flt in ACL_RULES
+            if user == name
+        ]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class SecurityAssets:
+    """Files the security scenarios configure both brokers with (made once per run)."""
+
+    directory: Path
+    ca: Path  # the loadgen trusts this
+    cert: Path  # server certificate (CN and subjectAltName 127.0.0.1), signed by ca
+    key: Path
+    fastbroker_passwords: Path
+    mosquitto_passwords: Path
+    fastbroker_acl: Path
+    mosquitto_acl: Path
+
+    def acl(self, broker: str) -> Path:
+        return self.fastbroker_acl if broker == "fastbroker" else self.mosquitto_acl
+
+    def passwords(self, broker: str) -> Path:
+        return self.fastbroker_passwords if broker == "fastbroker" else self.mosquitto_passwords
+
+
+def run_tool(cmd: Sequence[str], what: str, stdin: str | None = None) -> None:
+    try:
+        res = subprocess.run(list(cmd), input=stdin, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"{what}: {e}") from e
+    if res.returncode != 0:
+        raise RuntimeError(f"{what}: exit code {res.returncode}: {res.stderr.strip()[-500:]}")
+
+
+def make_certificates(directory: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1 signed by it (ECDSA P-256, 2
+    days), with the openssl CLI: (ca, cert, key). rustls accepts no self-signed CA as a
+    server certificate, hence the two."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise RuntimeError("openssl not found (apt-get install openssl)")
+    directory.mkdir(parents=True, exist_ok=True)
+    ca, ca_key = directory / "ca.pem", directory / "ca.key"
+    cert, key, csr = directory / "server.pem", directory / "server.key", directory / "server.csr"
+    ext = directory / "server.ext"
+    ext.write_text(
+        f"subjectAltName = IP:{HOST}\nbasicConstraints = critical, CA:FALSE\n"
+        "keyUsage = critical, digitalSignature\nextendedKeyUsage = serverAuth\n"
+    )
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+    run_tool(
+        [openssl, "req", "-x509", *ec, "-keyout", str(ca_key), "-out", str(ca), "-days", "2",
+         "-subj", "/CN=fastbroker-bench-ca"],
+        "openssl (CA)",
+    )  # fmt: skip
+    run_tool(
+        [openssl, "req", *ec, "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={HOST}"],
+        "openssl (server key)",
+    )
+    run_tool(
+        [openssl, "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+         "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext)],
+        "openssl (server certificate)",
+    )  # fmt: skip
+    for path in (ca_key, key):
+        path.chmod(0o600)
+    return ca, cert, key
+
+
+def make_password_files(directory: Path) -> tuple[Path, Path]:
+    """BENCH_USERNAME's password in each broker's own tool and default hash: (fastbroker's,
+    mosquitto's)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fb, mq = directory / "fastbroker.passwd", directory / "mosquitto.passwd"
+    run_tool(
+        [*fastbroker_command(), "passwd", "-c", "--password-stdin", str(fb), BENCH_USERNAME],
+        "fastbroker passwd",
+        stdin=BENCH_PASSWORD + "\n",
+    )
+    tool = shutil.which("mosquitto_passwd")
+    if tool is None:
+        raise RuntimeError("mosquitto_passwd not found (apt-get install mosquitto)")
+    run_tool([tool, "-c", "-b", str(mq), BENCH_USERNAME, BENCH_PASSWORD], "mosquitto_passwd")
+    return fb, mq
+
+
+def make_security_assets(directory: Path) -> SecurityAssets:
+    directory.mkdir(parents=True, exist_ok=True)
+    ca, cert, key = make_certificates(directory)
+    fb_pw, mq_pw = make_password_files(directory)
+    fb_acl, mq_acl = directory / "fastbroker.acl", directory / "mosquitto.acl"
+    fb_acl.write_text(acl_text("fastbroker"))
+    mq_acl.write_text(acl_text("mosquitto"))
+    return SecurityAssets(directory, ca, cert, key, fb_pw, mq_pw, fb_acl, mq_acl)
+
+
+_assets: dict[Path, SecurityAssets] = {}
+
+
+def security_assets(base: Path) -> SecurityAssets:
+    """The run's assets, made on first use in base/security (the run's temporary directory:
+    the private keys never reach the results directory)."""
+    if base not in _assets:
+        _assets[base] = make_security_assets(base / "security")
+    return _assets[base]
+
+
+def b64decode_loose(text: str) -> bytes:
+    """Base64 with or without padding, '.' for '+' (passlib's alphabet) accepted."""
+    text = text.replace(".", "+")
+    return base64.b64decode(text + "=" * (-len(text) % 4))
+
+
+def password_line(path: Path, user: str) -> str:
+    for line in path.read_text().splitlines():
+        name, sep, rest = line.partition(":")
+        if sep and name == user:
+            return rest.strip()
+    raise RuntimeError(f"no line for {user!r} in {path}")
+
+
+def time_hash(fn: Callable[[], bytes], budget_s: float = HASH_TIMING_S) -> tuple[float, bytes]:
+    """(median seconds of one call, its result) over about budget_s, at least 3 calls."""
+    times: list[float] = []
+    result = b""
+    t_end = time.perf_counter() + budget_s
+    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < 1000):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def measure_hash_costs(assets: SecurityAssets, password: str = BENCH_PASSWORD) -> dict[str, Any]:
+    """One password check of each broker's default hash, timed here in isolation (one
+    thread, OpenSSL through hashlib, the parameters and salt read from the files the brokers
+    use); `verified` says the result equals the stored hash, i.e. the same computation."""
+    pw = password.encode()
+    out: dict[str, Any] = {}
+    fb = re.fullmatch(
+        r"\$scrypt\$ln=(\d+),r=(\d+),p=(\d+)\$([^$]+)\$([^$]+)",
+        password_line(assets.fastbroker_passwords, BENCH_USERNAME),
+    )
+    if fb is None:
+        raise RuntimeError(f"{assets.fastbroker_passwords}: not a $scrypt$ line")
+    ln, r, p = (int(fb.group(i)) for i in (1, 2, 3))
+    salt, digest = b64decode_loose(fb.group(4)), b64decode_loose(fb.group(5))
+    maxmem = 128 * r * ((1 << ln) + p + 2) + 65536
+    secs, got = time_hash(
+        lambda: hashlib.scrypt(pw, salt=salt, n=1 << ln, r=r, p=p, maxmem=maxmem, dklen=len(digest))
+    )
+    out["fastbroker"] = {
+        "hash": f"scrypt ln={ln} r={r} p={p} ({128 * r * (1 << ln) // MIB} MiB)",
+        "ms_per_check": secs * 1000,
+        "verified": got == digest,
+    }
+    mq = re.fullmatch(
+        r"\$(\d+)\$(\d+)\$([^$]+)\$([^$]+)",
+        password_line(assets.mosquitto_passwords, BENCH_USERNAME),
+    )
+    if mq is None or mq.group(1) != "7":
+        raise RuntimeError(f"{assets.mosquitto_passwords}: not a $7$ (PBKDF2-SHA512) line")
+    iterations = int(mq.group(2))
+    salt, digest = b64decode_loose(mq.group(3)), b64decode_loose(mq.group(4))
+    secs, got = time_hash(
+        lambda: hashlib.pbkdf2_hmac("sha512", pw, salt, iterations, dklen=len(digest))
+    )
+    out["mosquitto"] = {
+        "hash": f"PBKDF2-SHA512 {iterations} iterations",
+        "ms_per_check": secs * 1000,
+        "verified": got == digest,
+    }
+    out["ratio_fb_over_mosq"] = out["fastbroker"]["ms_per_check"] / out["mosquitto"]["ms_per_check"]
+    return out
+
+
+def security_lines(scenarios: Sequence[Scenario], base: Path) -> tuple[list[str], dict[str, Any]]:
+    """How the selected security scenarios set up both brokers, for the log, and the hash
+    costs measured in isolation (a connect-auth scenario only)."""
+    secured = [sc for sc in scenarios if sc.security is not None]
+    if not secured:
+        return [], {}
+    assets = security_assets(base)
+    out = [
+        "security (security scenarios only): files made for this run in "
+        f"{assets.directory} (deleted at its end): CA + server certificate (openssl, "
+        f"P-256), password files (fastbroker passwd; mosquitto_passwd), ACL files "
+        f"({len(ACL_RULES)} rules each, the same rules in each broker's words)"
+    ]
+    costs: dict[str, Any] = {}
+    for sc in secured:
+        sec = sc.security
+        assert sec is not None
+        if sec.acl:
+            out.append(
+                f"  {sc.name}: fastbroker [auth] acl_file (allow_anonymous default: true); "
+                "mosquitto acl_file + allow_anonymous true; no password file"
+            )
+        if sec.passwords:
+            out.append(
+                f"  {sc.name}: fastbroker [auth] password_file; mosquitto password_file + "
+                "allow_anonymous false; every client sends the right password"
+            )
+            costs = measure_hash_costs(assets)
+            fb, mq = costs["fastbroker"], costs["mosquitto"]
+            out.append(
+                "  password check cost, one hash timed here in isolation (one thread): "
+                f"fastbroker {fb['hash']}: {fb['ms_per_check']:.1f} ms; mosquitto "
+                f"{mq['hash']}: {mq['ms_per_check']:.3f} ms "
+                f"({costs['ratio_fb_over_mosq']:,.0f}x). Each broker's default: scrypt is "
+                "deliberately slow (and memory-hard); connect-auth's ratio measures the "
+                "hashes more than the brokers"
+                + ("" if fb["verified"] and mq["verified"] else " [recomputed hash MISMATCH]")
+            )
+        if sec.transport == "tls":
+            out.append(
+                f"  {sc.name}: fastbroker [[listeners]] type tls; mosquitto listener with "
+                "certfile/keyfile; both OpenSSL's defaults for versions and ciphers; the "
+                "loadgen (rustls, ring) logs the negotiated suite in its params"
+            )
+        if sec.transport == "ws":
+            out.append(
+                f"  {sc.name}: fastbroker [[listeners]] type ws path {WS_PATH}; mosquitto "
+                "listener with protocol websockets (libwebsockets; it binds every interface "
+                "whatever the address, and needs a plain listener besides: one, unused, on "
+                "127.0.0.1); the loadgen frames with a zero mask key"
+            )
+    return out, costs
+
+
 # --------------------------------------------------------------------------- broker configs
 
 
 def mosquitto_config_text(
-    port: int, as_root: bool, persistence: Persistence | None = None, workdir: str = ""
+    port: int,
+    as_root: bool,
+    persistence: Persistence | None = None,
+    workdir: str = "",
+    security: Security | None = None,
+    assets: SecurityAssets | None = None,
+    aux_port: int = 0,
 ) -> str:
+    """`aux_port`: with a WebSocket listener, a plain one there too (unused): mosquitto 2.0.11
+    refuses to start with websockets listeners alone ("Unable to start any listening
+    sockets"). Its websockets listener also ignores the bind address (libwebsockets binds
+    every interface); the clients still connect to 127.0.0.1 only."""
     limits = dict(MOSQUITTO_LIMITS)
+    listener = [f"listener {port} {HOST}"]
     extra: list[str] = []
+    anonymous = "true"
+    if security is not None:
+        if assets is None:
+            raise ValueError("a security scenario needs its assets")
+        if security.transport == "tls":
+            listener += [f"certfile {assets.cert}", f"keyfile {assets.key}"]
+        elif security.transport == "ws":
+            if not aux_port:
+                raise ValueError("mosquitto needs a plain listener besides websockets")
+            listener = [f"listener {aux_port} {HOST}", *listener, "protocol websockets"]
+        if security.acl:
+            extra.append(f"acl_file {assets.mosquitto_acl}")
+        if security.passwords:
+            extra.append(f"password_file {assets.mosquitto_passwords}")
+            anonymous = "false"
     if persistence is not None:
         limits["persistence"] = "true"
         extra += [
@@ -432,8 +864,8 @@ def mosquitto_config_text(
             *(f"{key} {value}" for key, value in persistence.mosquitto),
         ]
     lines = [
-        f"listener {port} {HOST}",
-        "allow_anonymous true",
+        *listener,
+        f"allow_anonymous {anonymous}",
         *(f"{key} {value}" for key, value in limits.items()),
         *extra,
         "sys_interval 0",
@@ -448,12 +880,41 @@ def mosquitto_config_text(
     return "\n".join(lines) + "\n"
 
 
-def fastbroker_config_text(port: int, data_dir: str, fsync: str | None = None) -> str:
+def fastbroker_config_text(
+    port: int,
+    data_dir: str,
+    fsync: str | None = None,
+    security: Security | None = None,
+    assets: SecurityAssets | None = None,
+) -> str:
+    listener = ["[listener]", f'host = "{HOST}"', f"port = {port}"]
+    auth: list[str] = []
+    if security is not None:
+        if assets is None:
+            raise ValueError("a security scenario needs its assets")
+        if security.transport != "tcp":
+            # The only listener: a [listener] table (or --host/--port) would open TCP too.
+            listener = [
+                "[[listeners]]",
+                f'type = "{security.transport}"',
+                f'host = "{HOST}"',
+                f"port = {port}",
+            ]
+            if security.transport == "tls":
+                listener += [
+                    f"certfile = {json.dumps(str(assets.cert))}",
+                    f"keyfile = {json.dumps(str(assets.key))}",
+                ]
+            else:
+                listener.append(f"path = {json.dumps(WS_PATH)}")
+        if security.acl:
+            auth.append(f"acl_file = {json.dumps(str(assets.fastbroker_acl))}")
+        if security.passwords:
+            auth.append(f"password_file = {json.dumps(str(assets.fastbroker_passwords))}")
     lines = [
-        "[listener]",
-        f'host = "{HOST}"',
-        f"port = {port}",
+        *listener,
         "",
+        *(["[auth]", *auth, ""] if auth else []),
         "[storage]",
         f"data_dir = {json.dumps(data_dir)}",
         *([f"fsync = {json.dumps(fsync)}"] if fsync else []),
@@ -666,22 +1127,41 @@ def broker_version(kind: str) -> str:
 
 
 def broker_command(
-    kind: str, port: int, workdir: Path, persistence: Persistence | None = None
+    kind: str,
+    port: int,
+    workdir: Path,
+    persistence: Persistence | None = None,
+    security: Security | None = None,
+    assets: SecurityAssets | None = None,
 ) -> list[str]:
     """Writes the broker's config into `workdir` (its data goes there too) and returns the
     command that starts it."""
     if kind == "fastbroker":
         config = workdir / "fastbroker.toml"
         fsync = persistence.fsync if persistence else None
-        config.write_text(fastbroker_config_text(port, str(workdir / "data"), fsync))
-        cmd = [*fastbroker_command(), "run", "--host", HOST, "--port", str(port)]
+        config.write_text(
+            fastbroker_config_text(port, str(workdir / "data"), fsync, security, assets)
+        )
+        cmd = [*fastbroker_command(), "run"]
+        if security is None or security.transport == "tcp":
+            cmd += ["--host", HOST, "--port", str(port)]
         return [*cmd, "--config", str(config)]
     if kind == "mosquitto":
         exe = mosquitto_executable()
         if exe is None:
             raise RuntimeError("mosquitto not found (apt-get install mosquitto)")
         config = workdir / "mosquitto.conf"
-        config.write_text(mosquitto_config_text(port, os.geteuid() == 0, persistence, str(workdir)))
+        config.write_text(
+            mosquitto_config_text(
+                port,
+                os.geteuid() == 0,
+                persistence,
+                str(workdir),
+                security,
+                assets,
+                aux_port=free_port() if security and security.transport == "ws" else 0,
+            )
+        )
         return [exe, "-c", str(config)]
     raise ValueError(f"unknown broker {kind!r}")
 
@@ -693,12 +1173,18 @@ def launch(kind: str, port: int, workdir: Path, cmd: Sequence[str]) -> Broker:
     return Broker(kind, port, proc, workdir)
 
 
-def start_broker(kind: str, base: Path, persistence: Persistence | None = None) -> Broker:
+def start_broker(
+    kind: str,
+    base: Path,
+    persistence: Persistence | None = None,
+    security: Security | None = None,
+) -> Broker:
     last_error = ""
+    assets = security_assets(base) if security is not None else None
     for _ in range(3):  # a port from free_port() may be taken before the broker binds it
         port = free_port()
         workdir = Path(tempfile.mkdtemp(prefix=f"{kind}-{port}-", dir=base))
-        cmd = broker_command(kind, port, workdir, persistence)
+        cmd = broker_command(kind, port, workdir, persistence, security, assets)
         broker = launch(kind, port, workdir, cmd)
         proc = broker.proc
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -984,9 +1470,12 @@ def measure(
     broker: Broker | None = None
     try:
         if broker_kind:
-            broker = start_broker(broker_kind, base, scenario.persistence)
+            broker = start_broker(broker_kind, base, scenario.persistence, scenario.security)
         port = str(broker.port) if broker else "0"
         args = [a.replace("{port}", port) for a in scenario.loadgen_args(settings)]
+        if scenario.security is not None and scenario.security.transport == "tls":
+            ca = str(security_assets(base).ca)
+            args = [a.replace("{tls_ca}", ca) for a in args]
         m.params["loadgen_args"] = args
         samples: list[tuple[float, float]] = []
         rss_last: list[int] = []
@@ -1408,7 +1897,12 @@ def fmt_ratio(values: Sequence[float]) -> str:
     s = spread(values)
     if s is None:
         return "-"
-    return f"{s['min']:.2f}-{s['median']:.2f}-{s['max']:.2f}"
+
+    def one(x: float) -> str:
+        # Two significant digits where two decimals would print 0.00 (connect-auth: ~0.003).
+        return f"{x:.2f}" if x >= 0.05 else f"{x:.2g}"
+
+    return f"{one(s['min'])}-{one(s['median'])}-{one(s['max'])}"
 
 
 def fmt_median(values: dict[int, float]) -> str:
@@ -1599,6 +2093,14 @@ def run_benchmark(
     log(f"lifted limits: {LIMITS_TEXT}")
     for text in persistence_lines(scenarios):
         log(text)
+    base = Path(tempfile.mkdtemp(prefix="fastbroker-bench-"))
+    try:
+        security_text, hash_costs = security_lines(scenarios, base)
+    except Exception:
+        shutil.rmtree(base, ignore_errors=True)
+        raise
+    for text in security_text:
+        log(text)
     log(
         f"settings: rounds {settings.rounds}, duration {fmt_num(settings.duration)} s, warmup "
         f"{fmt_num(settings.warmup)} s; order alternates (fastbroker first in odd rounds)"
@@ -1609,7 +2111,6 @@ def run_benchmark(
         if nofile[0] < settings.connections + 100:
             log(f"WARNING: RLIMIT_NOFILE {nofile[0]} < {settings.connections} connections")
     measurements: list[Measurement] = []
-    base = Path(tempfile.mkdtemp(prefix="fastbroker-bench-"))
     try:
         with open(lines_path, "a") as out:
             for rnd in range(1, settings.rounds + 1):
@@ -1625,6 +2126,7 @@ def run_benchmark(
     finally:
         stop_all_started()
         shutil.rmtree(base, ignore_errors=True)
+        _assets.pop(base, None)
     rows = build_rows(scenarios, measurements)
     ceiling_row = next((r for r in rows if r.scenario == "loopback"), None)
     ceiling = (
@@ -1641,6 +2143,8 @@ def run_benchmark(
         "scenarios": [s.name for s in scenarios],
         "limits": LIMITS_TEXT,
         "persistence": persistence_lines(scenarios),
+        "security": [line.replace(str(base), "<run tmp>") for line in security_text],
+        "hash_costs": hash_costs,
         "rows": [r.to_json() for r in rows],
         "loopback_ceiling_mb_per_s": ceiling,
         "failed_runs": [
@@ -1725,6 +2229,7 @@ def settings_from_args(ns: argparse.Namespace) -> Settings:
         hold=ns.hold if ns.hold is not None else base.hold,
         payloads=payloads,
         quick=ns.quick,
+        auth_connections=ns.auth_connections or base.auth_connections,
     )
 
 
@@ -1737,7 +2242,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "  python bench/run.py --scenarios fan-in,qos1 --rounds 5 --duration 10\n"
         "  python bench/run.py --scenarios persistent --rounds 2  # only the durable-storage\n"
         "      # scenarios: qos1-persistent-always,-interval,-never and startup-1m\n"
-        "  python bench/run.py --scenarios startup-1m",
+        "  python bench/run.py --scenarios startup-1m\n"
+        "  python bench/run.py --scenarios security   # fan-in-acl, connect-plain,\n"
+        "      # connect-auth, pairs-tls, pairs-ws: what ACLs, passwords, TLS and WebSocket cost",
     )
     p.add_argument("--rounds", type=int, help="rounds per scenario (default 3)")
     p.add_argument("--duration", type=float, help="measured seconds per run (default 5)")
@@ -1746,12 +2253,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--scenarios",
         help="comma-separated: fan-in,fan-out,pairs,qos1,latency,connections,payload "
         "(or payload-16,payload-1k,payload-64k),loopback; durable storage: persistent (or "
-        "qos1-persistent-always,qos1-persistent-interval,qos1-persistent-never,startup-1m). "
-        "Default: all, or with --quick all but the durable-storage ones",
+        "qos1-persistent-always,qos1-persistent-interval,qos1-persistent-never,startup-1m); "
+        "security (or fan-in-acl,connect-plain,connect-auth,pairs-tls,pairs-ws), only run "
+        "when named. Default: all but security, or with --quick all but the durable-storage "
+        "and security ones",
     )
     p.add_argument("--connections", type=int, help="idle connections (default 15000)")
     p.add_argument("--hold", type=float, help="seconds the connections are held (default 3)")
     p.add_argument("--payloads", help="payload sweep sizes in bytes (default 16,1024,65536)")
+    p.add_argument(
+        "--auth-connections",
+        type=int,
+        help=f"connections of connect-auth and connect-plain (default {AUTH_CONNECTIONS})",
+    )
     p.add_argument(
         "--results", type=Path, default=DEFAULT_RESULTS, help="results directory (JSON lines)"
     )
@@ -1782,7 +2296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"unknown broker(s): {', '.join(sorted(bad))}")
     settings = settings_from_args(ns)
     scenarios = select_scenarios(
-        default_scenarios(settings), ns.scenarios, extra=persistent_scenarios(settings)
+        default_scenarios(settings),
+        ns.scenarios,
+        extra=persistent_scenarios(settings) + security_scenarios(settings),
     )
     signal.signal(signal.SIGTERM, _sigterm)
     raise_nofile_limit()

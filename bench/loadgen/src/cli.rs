@@ -45,6 +45,12 @@ other options:
   --topic-prefix P     first topic level (default bench)
   --connect-timeout S  per connection set-up (default 10)
   --connect-phase-timeout S   connections: stop opening new connections after S (default 120)
+  --username U / --password P  credentials in every CONNECT (default none)
+  --tls-ca FILE        MQTT over TLS (rustls), trusting the CA certificates in FILE (PEM); the
+                       server name checked is --tls-server-name or --host (an IP address works
+                       if the certificate has it as a subjectAltName); not for connections
+  --ws-path PATH       MQTT over WebSocket (subprotocol mqtt) at PATH, e.g. /mqtt; with --tls-ca:
+                       secure WebSocket; not for connections
 One JSON object is printed on stdout at the end; progress and errors go to stderr.
 Exit status: 0 ok, 1 run failed (refused, connection broken...), 2 usage, 3 connections with errors.";
 
@@ -123,6 +129,13 @@ pub struct Opts {
     /// Client id of a subscriber that keeps its session (None: clean sessions).
     pub persistent_subscriber: Option<String>,
     pub time_limit: f64,
+    pub username: Option<String>,
+    pub password: Option<String>,
+    /// PEM file of the CA certificates to trust: TLS on.
+    pub tls_ca: Option<String>,
+    pub tls_server_name: Option<String>,
+    /// WebSocket request path: WebSocket on.
+    pub ws_path: Option<String>,
 }
 
 impl Opts {
@@ -174,6 +187,11 @@ impl Opts {
             connect_phase_timeout: 120.0,
             persistent_subscriber: None,
             time_limit: 120.0,
+            username: None,
+            password: None,
+            tls_ca: None,
+            tls_server_name: None,
+            ws_path: None,
         }
     }
 }
@@ -255,6 +273,11 @@ pub fn parse(args: &[String]) -> Result<Opts, String> {
             "connect-phase-timeout" => o.connect_phase_timeout = secs(k, v)?,
             "persistent-subscriber" => o.persistent_subscriber = Some(v.to_string()),
             "time-limit" => o.time_limit = secs(k, v)?,
+            "username" => o.username = Some(v.to_string()),
+            "password" => o.password = Some(v.to_string()),
+            "tls-ca" => o.tls_ca = Some(v.to_string()),
+            "tls-server-name" => o.tls_server_name = Some(v.to_string()),
+            "ws-path" => o.ws_path = Some(v.to_string()),
             _ => return Err(format!("unknown option --{k}")),
         }
     }
@@ -303,6 +326,26 @@ fn validate(o: &Opts) -> Result<(), String> {
             ));
         }
         _ => {}
+    }
+    if (o.tls_ca.is_some() || o.ws_path.is_some())
+        && matches!(o.scenario, Scenario::Connections | Scenario::Loopback)
+    {
+        return Err(format!(
+            "{}: --tls-ca and --ws-path are for the message scenarios",
+            o.scenario.name()
+        ));
+    }
+    if o.tls_server_name.is_some() && o.tls_ca.is_none() {
+        return Err("--tls-server-name needs --tls-ca".into());
+    }
+    if o.ws_path
+        .as_ref()
+        .is_some_and(|p| !p.starts_with('/') || p.contains(char::is_whitespace))
+    {
+        return Err("--ws-path must start with / and hold no white space".into());
+    }
+    if o.password.is_some() && o.username.is_none() {
+        return Err("--password needs --username (MQTT 3.1.1)".into());
     }
     if o.time_limit <= 0.0 {
         return Err("--time-limit must be > 0".into());
@@ -388,6 +431,15 @@ mod tests {
         assert_eq!((o.count, o.qos, o.publishers, o.inflight), (1000, 1, 8, 64));
         let o = p("drain --persistent-subscriber s --time-limit 30").unwrap();
         assert_eq!((o.count, o.time_limit), (1_000_000, 30.0));
+        let o = p("pairs --tls-ca ca.pem --username u --password pw --ws-path /mqtt").unwrap();
+        assert_eq!(o.tls_ca.as_deref(), Some("ca.pem"));
+        assert_eq!(
+            (o.username.as_deref(), o.password.as_deref()),
+            (Some("u"), Some("pw"))
+        );
+        assert_eq!(o.ws_path.as_deref(), Some("/mqtt"));
+        let o = p("connections --username u --password pw").unwrap();
+        assert_eq!(o.username.as_deref(), Some("u"));
     }
 
     #[test]
@@ -405,5 +457,10 @@ mod tests {
         assert!(p("drain --persistent-subscriber s --qos 0").is_err());
         assert!(p("fan-out --persistent-subscriber s").is_err());
         assert!(p("fill --persistent-subscriber s --time-limit 0").is_err());
+        assert!(p("connections --tls-ca ca.pem").is_err());
+        assert!(p("connections --ws-path /mqtt").is_err());
+        assert!(p("pairs --ws-path mqtt").is_err());
+        assert!(p("pairs --password pw").is_err());
+        assert!(p("pairs --tls-server-name x").is_err());
     }
 }

@@ -366,6 +366,10 @@ pub fn run(o: &Opts) -> Result<Outcome, String> {
         .set("sources", o.sources_spec.as_str())
         .set("hold_s", o.hold)
         .set("concurrency", concurrency);
+    if let Some(u) = &o.username {
+        p.set("username", u.as_str())
+            .set("password", o.password.is_some());
+    }
     let mut r = Obj::new();
     r.set("scenario", "connections")
         .set("params", p)

@@ -9,6 +9,7 @@ mod net;
 mod persist;
 mod run;
 mod scan;
+mod stream;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -29,6 +30,10 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Err(e) = stream::configure(&opts) {
+        eprintln!("fastbroker-loadgen: {e}");
+        return ExitCode::from(2);
+    }
     net::raise_nofile_limit();
     let name = opts.scenario.name();
     let outcome = match opts.scenario {

@@ -2,7 +2,7 @@
 //! pre-encoding of the PUBLISH packets that the hot loops send unchanged or patch in place.
 
 use std::io::{ErrorKind, Read};
-use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -12,6 +12,7 @@ use fastbroker_core::codec::{
 
 use crate::net;
 use crate::scan;
+use crate::stream::{self, Stream};
 
 /// Keep alive 0: the broker never times a silent connection out.
 pub const KEEP_ALIVE: u16 = 0;
@@ -38,6 +39,7 @@ pub fn connect_packet(client_id: &str, proto: Protocol) -> Vec<u8> {
 
 pub fn connect_packet_with(client_id: &str, proto: Protocol, session: Session) -> Vec<u8> {
     let persistent = session == Session::Persistent;
+    let setup = stream::setup();
     let mut out = Vec::new();
     codec::encode(
         &Packet::Connect(Box::new(Connect {
@@ -46,8 +48,11 @@ pub fn connect_packet_with(client_id: &str, proto: Protocol, session: Session) -
             keep_alive: KEEP_ALIVE,
             client_id: client_id.to_string(),
             will: None,
-            username: None,
-            password: None,
+            username: setup.username.clone(),
+            password: setup
+                .password
+                .as_ref()
+                .map(|p| Bytes::copy_from_slice(p.as_bytes())),
             // 5.0: receive maximum and packet size left at their defaults (65,535,
             // unlimited); session expiry 0 unless persistent.
             properties: Properties {
@@ -176,7 +181,7 @@ pub fn connack_verdict(buf: &[u8], proto: Protocol, client_id: &str) -> Option<R
 
 /// A connected MQTT client before the hot loop takes its socket over.
 pub struct Client {
-    pub stream: TcpStream,
+    pub stream: Stream,
     /// Bytes read past the last set-up packet (to be fed to the hot loop's scanner).
     pub pending: BytesMut,
     pub proto: Protocol,
@@ -208,15 +213,17 @@ pub fn open_with(
     timeout: Duration,
 ) -> Result<Client, String> {
     let deadline = Instant::now() + timeout;
-    let mut stream = net::connect(addr, src, timeout).map_err(|e| match src {
+    let tcp = net::connect(addr, src, timeout).map_err(|e| match src {
         Some(src) => format!("TCP connect to {addr} from {src} failed: {e}"),
         None => format!("TCP connect to {addr} failed: {e}"),
     })?;
+    let mut stream = stream::wrap(tcp, deadline)?;
     stream
         .set_write_timeout(Some(timeout))
         .and_then(|_| {
             std::io::Write::write_all(&mut stream, &connect_packet_with(client_id, proto, session))
         })
+        .and_then(|_| std::io::Write::flush(&mut stream))
         .map_err(|e| format!("sending CONNECT failed: {e}"))?;
     let mut c = Client {
         stream,
@@ -263,6 +270,7 @@ impl Client {
                     &subscribe_packet(pkid, filters, self.proto),
                 )
             })
+            .and_then(|_| std::io::Write::flush(&mut self.stream))
             .map_err(|e| format!("sending SUBSCRIBE failed: {e}"))?;
         loop {
             match self.read_packet(deadline, "SUBACK")? {

@@ -224,7 +224,7 @@ pub fn connect(dst: SocketAddr, src: Option<Ipv4Addr>, timeout: Duration) -> io:
 
 /// Writes all of `buf` unless `hard_deadline` passes first (the stream must have a write
 /// timeout so that a blocked write returns to look at the clock). Returns the bytes written.
-pub fn write_until(s: &mut TcpStream, buf: &[u8], hard_deadline: Instant) -> io::Result<usize> {
+pub fn write_until<W: Write>(s: &mut W, buf: &[u8], hard_deadline: Instant) -> io::Result<usize> {
     let mut off = 0;
     while off < buf.len() {
         match s.write(&buf[off..]) {

@@ -7,7 +7,6 @@
 //! only scan fixed headers and PUBACK in one write per read (`run::SubState`).
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,6 +18,7 @@ use crate::mqtt::{self, Session};
 use crate::net::{self, POLL};
 use crate::run::{self, CpuWindow, PubStats, Shared, SubState, Timeline, READ_BUF};
 use crate::scan::Scanner;
+use crate::stream::Stream;
 
 /// `drain` gives up when nothing arrived for this long (a broker that lost messages would
 /// otherwise keep it waiting for the whole time limit).
@@ -37,10 +37,11 @@ fn subscriber_id(o: &Opts) -> Result<&str, String> {
 
 /// Sends DISCONNECT and waits (up to `timeout`) for the broker to close the connection, so the
 /// session is offline before anything is published to it.
-fn disconnect_and_wait(stream: &mut TcpStream, timeout: Duration) -> Result<(), String> {
+fn disconnect_and_wait(stream: &mut Stream, timeout: Duration) -> Result<(), String> {
     stream
         .set_write_timeout(Some(timeout))
         .and_then(|_| stream.write_all(&mqtt::DISCONNECT))
+        .and_then(|_| stream.flush())
         .map_err(|e| format!("sending DISCONNECT failed: {e}"))?;
     let deadline = Instant::now() + timeout;
     stream
@@ -189,7 +190,7 @@ pub fn run_drain(o: &Opts) -> Result<Obj, String> {
         usize::try_from(left.saturating_mul(min_pkt)).map_or(DRAIN_LOWAT, |b| b.min(DRAIN_LOWAT))
     };
     let mut lowat =
-        net::Lowat::new(&c.stream, mark(count)).map_err(|e| format!("SO_RCVLOWAT: {e}"))?;
+        net::Lowat::new(c.stream.tcp(), mark(count)).map_err(|e| format!("SO_RCVLOWAT: {e}"))?;
     let deadline = t_connect + Duration::from_secs_f64(o.time_limit);
     let grace = deadline + Duration::from_secs(1);
     let pending = std::mem::take(&mut c.pending);
@@ -210,8 +211,8 @@ pub fn run_drain(o: &Opts) -> Result<Obj, String> {
                 reads += 1;
                 bytes += n as u64;
                 received += st.chunk(&buf[..n], false, 0)?;
-                lowat.after_read(&c.stream, n);
-                lowat.cap(&c.stream, mark(count.saturating_sub(received)));
+                lowat.after_read(c.stream.tcp(), n);
+                lowat.cap(c.stream.tcp(), mark(count.saturating_sub(received)));
                 if first_s.is_none() && received > 0 {
                     first_s = Some(t_connect.elapsed().as_secs_f64());
                 }

@@ -254,7 +254,18 @@ pub fn params(o: &Opts) -> Obj {
         };
         p.set("host", o.host.as_str())
             .set("port", o.port)
-            .set("protocol", proto);
+            .set("protocol", proto)
+            .set("transport", crate::stream::transport_name());
+        if let Some(tls) = crate::stream::negotiated() {
+            p.set("tls", tls);
+        }
+        if let Some(path) = &o.ws_path {
+            p.set("ws_path", path.as_str());
+        }
+        if let Some(u) = &o.username {
+            p.set("username", u.as_str())
+                .set("password", o.password.is_some());
+        }
     }
     p.set("payload", o.payload);
     match o.scenario {
@@ -554,7 +565,7 @@ fn sub_loop(
         .and_then(|_| c.stream.set_write_timeout(Some(POLL)))
         .map_err(|e| e.to_string())?;
     let mut lowat =
-        net::Lowat::new(&c.stream, rcvlowat).map_err(|e| format!("SO_RCVLOWAT: {e}"))?;
+        net::Lowat::new(c.stream.tcp(), rcvlowat).map_err(|e| format!("SO_RCVLOWAT: {e}"))?;
     let mut st = SubState {
         scanner: Scanner::new(),
         acks: Vec::with_capacity(64 * 1024),
@@ -579,7 +590,7 @@ fn sub_loop(
                     break;
                 }
                 if ack {
-                    lowat.after_read(&c.stream, n);
+                    lowat.after_read(c.stream.tcp(), n);
                 }
                 let in_win = tl.in_window(now);
                 let now_ns = if latency { net::monotonic_ns() } else { 0 };
@@ -851,7 +862,7 @@ pub fn windowed(
         .map_err(|e| e.to_string())?;
     // Wake when half the window has been acknowledged (PUBACKs are 4 bytes or more), so
     // the window is refilled in batches of half of it, not one packet per read.
-    let mut lowat = net::Lowat::new(&c.stream, 4 * (inflight_max / 2))
+    let mut lowat = net::Lowat::new(c.stream.tcp(), 4 * (inflight_max / 2))
         .map_err(|e| format!("SO_RCVLOWAT: {e}"))?;
     let mut stats = PubStats::default();
     if !sleep_until(tl.t0, shared) {
@@ -917,7 +928,7 @@ pub fn windowed(
             Ok(0) => return Err("broker closed the connection".into()),
             Ok(n) => {
                 let now = Instant::now();
-                lowat.after_read(&c.stream, n);
+                lowat.after_read(c.stream.tcp(), n);
                 let (acked, rejected) = handle(&rbuf[..n], &mut ids)?;
                 inflight -= acked as usize;
                 stats.total_acked += acked;
