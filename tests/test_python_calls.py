@@ -42,7 +42,18 @@ class CountingEngine:
             self.calls[name] += 1
             return target(*args)
 
+        # Cached, so the proxy's own lookups happen once per name, not once per call.
+        setattr(self, name, counted)
         return counted
+
+
+# The proxy's frames are the test's overhead, not the broker's work: its calls are counted in
+# CountingEngine.calls instead.
+PROXY_CODES = {CountingEngine.__getattr__.__code__}
+
+
+def is_counted(code) -> bool:
+    return code.co_name == "counted" and code.co_filename == __file__
 
 
 def read_exactly(sock: socket.socket, n: int) -> bytes:
@@ -96,6 +107,9 @@ def measure(n_publishes: int) -> tuple[Counter[str], Counter[str]]:
         code = frame.f_code
         if code.co_name == "run" or any(m in code.co_filename for m in ("asyncio", "threading")):
             return
+        caller = frame.f_back
+        if code in PROXY_CODES or is_counted(code) or (caller and is_counted(caller.f_code)):
+            return  # the proxy's wrapper, and what it calls (the engine: counted apart)
         if event in ("call", "c_call"):
             name = arg.__qualname__ if event == "c_call" else code.co_name
             events[f"{event}:{name}"] += 1
@@ -130,23 +144,34 @@ def measure(n_publishes: int) -> tuple[Counter[str], Counter[str]]:
     return engine.calls, events
 
 
-def broker_side(events: Counter[str]) -> int:
-    return sum(events.values())
+def python_work(calls: Counter[str], events: Counter[str]) -> int:
+    """Python-level calls on the broker's side: calls into the engine, and every other call
+    the profiler saw."""
+    return sum(calls.values()) + sum(events.values())
+
+
+def batches(calls: Counter[str]) -> int:
+    """What the broker's Python work is paid per: reads (each is one engine.feed) and passes
+    of flushing (each runs the control-plane hooks once, starting with has_resumed). How many
+    of each there are depends on how TCP split the bytes and how busy the machine is."""
+    return calls["feed"] + calls["has_resumed"]
 
 
 def test_python_calls_per_read_do_not_grow_with_publishes_per_read():
+    n = 2000
     small_calls, small_events = measure(1)
-    big_calls, big_events = measure(2000)
+    big_calls, big_events = measure(n)
     # Every read is one engine.feed, whatever it holds.
     assert small_calls["feed"] >= 1 and big_calls["feed"] >= 1
-    per_read_small = broker_side(small_events) / small_calls["feed"]
-    per_read_big = broker_side(big_events) / big_calls["feed"]
+    per_batch_small = python_work(small_calls, small_events) / batches(small_calls)
+    per_batch_big = python_work(big_calls, big_events) / batches(big_calls)
     print(
-        f"\n1 publish: {dict(small_calls)} events {broker_side(small_events)};"
-        f" 2000 publishes: {dict(big_calls)} events {broker_side(big_events)};"
-        f" per read {per_read_small:.1f} vs {per_read_big:.1f}"
+        f"\n1 publish: calls {dict(small_calls)} other {dict(small_events)};"
+        f"\n{n} publishes: calls {dict(big_calls)} other {dict(big_events)};"
+        f"\nper read or flush {per_batch_small:.1f} vs {per_batch_big:.1f}"
     )
-    # 2000 publishes arrive in a few reads; per-message Python work would show as thousands of
-    # calls. A few calls per read (feed, call_soon, flush, drain) is the whole cost.
-    assert per_read_big <= per_read_small + 4, (small_events, big_events)
-    assert broker_side(big_events) < 100, big_events
+    # n publishes arrive in a few reads; per-message Python work would show as thousands of
+    # calls. A few calls per read or flush (feed; the hooks, drain, has_output) is the whole
+    # cost, so the cost per batch does not grow with the messages in it.
+    assert per_batch_big <= per_batch_small + 3, (small_calls, big_calls, big_events)
+    assert python_work(big_calls, big_events) < n / 10, (big_calls, big_events)
