@@ -481,21 +481,23 @@ def validate_tables(tables: Mapping[str, Any], source: str) -> dict[str, dict[st
         if table == "mqtt":
             sections[table] = check_mqtt(values, source)
             continue
-        checks = SCHEMA[table]
-        checked: dict[str, Any] = {}
-        for key, value in values.items():
-            if key not in checks:
-                raise ConfigError(
-                    f"{source}: [{table}] {key}: unknown key (known: {', '.join(checks)})"
-                )
-            try:
-                checked[key] = checks[key](value)
-            except ValueError as error:
-                raise ConfigError(
-                    f"{source}: [{table}] {key}: {error}, got {one_line(reprlib.repr(value))}"
-                ) from None
-        sections[table] = checked
+        sections[table] = check_keys(values, SCHEMA[table], f"{source}: [{table}]")
     return sections
+
+
+def check_keys(values: Mapping[str, Any], checks: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Each key of one table checked by its function in ``checks``; unknown keys refused."""
+    checked: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in checks:
+            raise ConfigError(f"{where} {key}: unknown key (known: {', '.join(checks)})")
+        try:
+            checked[key] = checks[key](value)
+        except ValueError as error:
+            raise ConfigError(
+                f"{where} {key}: {error}, got {one_line(reprlib.repr(value))}"
+            ) from None
+    return checked
 
 
 def check_cluster(cluster: ClusterConfig, source: str) -> None:
@@ -601,19 +603,7 @@ def listener_specs(
         raise ConfigError(f"{source}: listeners: expected an array of tables [[listeners]]")
     for index, table in enumerate(tables or ()):
         label = table.get("name") if type(table.get("name")) is str else f"#{index + 1}"
-        where = f"{source}: [[listeners]] {label}"
-        checked: dict[str, Any] = {}
-        for key, value in table.items():
-            if key not in LISTENER_KEYS:
-                raise ConfigError(
-                    f"{where}: {key}: unknown key (known: {', '.join(LISTENER_KEYS)})"
-                )
-            try:
-                checked[key] = LISTENER_KEYS[key](value)
-            except ValueError as error:
-                raise ConfigError(
-                    f"{where}: {key}: {error}, got {one_line(reprlib.repr(value))}"
-                ) from None
+        checked = check_keys(table, LISTENER_KEYS, f"{source}: [[listeners]] {label}:")
         kind = checked.setdefault("type", "tcp")
         checked.setdefault("port", LISTENER_DEFAULT_PORTS[kind])
         checked.setdefault("name", f"{kind}-{checked['port']}")
