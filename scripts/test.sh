@@ -112,7 +112,8 @@ check "stubtest fastbroker_core" \
 step "pytest"
 # Both brokers are installed above: a missing one is a failure here, never a skip.
 set +e
-FASTBROKER_REQUIRED=1 python -m pytest tests/ -q -p no:cacheprovider --timeout="$PYTEST_TIMEOUT"
+# -rsx: every skip and expected failure is listed with its reason.
+FASTBROKER_REQUIRED=1 python -m pytest tests/ -q -rsx -p no:cacheprovider --timeout="$PYTEST_TIMEOUT"
 pytest_status=$?
 set -e
 case $pytest_status in
