@@ -27,6 +27,8 @@ mod timers;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
+use bytes::BytesMut;
+
 pub use acl::Permissions;
 pub use auth::{AccessEvent, AuthRequest};
 pub use config::{Config, Value};
@@ -38,6 +40,9 @@ pub use state::{ConnId, SessionId};
 use crate::codec::{self, Ack, Disconnect, Packet, Properties, Protocol};
 use crate::topics::{RetainedTree, SubscriptionIndex};
 use state::{Conn, ConnState, Message, Session};
+
+/// Reads up to this many bytes give their emptied read buffer back (see `feed`).
+const RX_RELEASE_BELOW: usize = 4096;
 
 /// Counters for `$SYS` and metrics.
 #[derive(Clone, Debug, Default)]
@@ -180,7 +185,17 @@ impl Engine {
         }
         conn.rx.extend_from_slice(data);
         self.stats.bytes_received += data.len() as u64;
-        self.run(id, now)
+        let flags = self.run(id, now);
+        if data.len() <= RX_RELEASE_BELOW {
+            if let Some(conn) = self.conn_mut(id) {
+                if conn.rx.is_empty() {
+                    // The buffer would stay allocated (with its shared header) for as long as
+                    // the client idles. Busy readers with big reads keep theirs for reuse.
+                    conn.rx = BytesMut::new();
+                }
+            }
+        }
+        flags
     }
 
     /// The connection is gone: closed by the peer, or by the caller after `drain` asked. An

@@ -74,12 +74,14 @@ impl Engine {
             }
             let conn = self.conn_mut(id).expect("exists");
             if p.topic.is_empty() {
-                match conn.in_aliases.get(&alias) {
+                match conn.aliases.as_ref().and_then(|a| a.incoming.get(&alias)) {
                     Some(topic) => p.topic = topic.clone(),
                     None => return self.close(id, Some(0x82), "unknown topic alias", true, now),
                 }
             } else {
-                conn.in_aliases
+                let aliases = conn.aliases.get_or_insert_with(Default::default);
+                aliases
+                    .incoming
                     .insert(alias, Bytes::copy_from_slice(&p.topic));
             }
         } else if p.topic.is_empty() {
@@ -130,7 +132,7 @@ impl Engine {
                     self.send(id, &Packet::PubRec(Engine::ack(pkid, 0)));
                     return;
                 }
-                if session.inbound_qos2.len() >= receive_maximum {
+                if session.inbound_qos2.count() >= receive_maximum {
                     return self.close(id, Some(0x93), "receive maximum exceeded", true, now);
                 }
                 session.inbound_qos2.insert(pkid);
@@ -193,7 +195,7 @@ impl Engine {
                 }
                 return;
             }
-            if session.inbound_qos2.len() >= receive_maximum {
+            if session.inbound_qos2.count() >= receive_maximum {
                 return self.close(id, Some(0x93), "receive maximum exceeded", true, now);
             }
         }
@@ -592,15 +594,17 @@ impl Engine {
         let mut alias = None;
         let mut new_alias = false;
         if v5 && alias_enabled && conn.client_topic_alias_max > 0 {
-            match conn.out_aliases.get(&msg.topic) {
+            let max = conn.client_topic_alias_max;
+            let outgoing = &mut conn.aliases.get_or_insert_with(Default::default).outgoing;
+            match outgoing.get(&msg.topic) {
                 Some(&a) => {
                     alias = Some(a);
                     topic = b"";
                 }
                 None => {
-                    let next = conn.out_aliases.len() as u16 + 1;
-                    if next <= conn.client_topic_alias_max {
-                        conn.out_aliases.insert(msg.topic.clone(), next);
+                    let next = outgoing.len() as u16 + 1;
+                    if next <= max {
+                        outgoing.insert(msg.topic.clone(), next);
                         alias = Some(next);
                         new_alias = true;
                     }
@@ -629,7 +633,9 @@ impl Engine {
             conn.out.truncate(start);
             if new_alias {
                 // An alias assigned for a message that was not sent must not be assumed known.
-                conn.out_aliases.remove(&msg.topic);
+                if let Some(aliases) = conn.aliases.as_mut() {
+                    aliases.outgoing.remove(&msg.topic);
+                }
             }
             return false;
         }
