@@ -110,3 +110,36 @@ def test_a_flooding_publisher_is_read_at_most_a_budget_per_flush():
     print(f"\nmost bytes fed by one connection between two flushes: {most}")
     # One read may overshoot the budget by at most one read (uvloop reads up to 256 KiB).
     assert most <= budget + 256 * 1024
+
+
+def test_accepted_sockets_have_nagle_off():
+    """MQTT acks and small publishes must not wait on Nagle's algorithm. The connection layer
+    does not set TCP_NODELAY itself: the event loop's TCP transports do (uvloop and asyncio
+    alike), and this checks that they still do."""
+    loop = uvloop.new_event_loop()
+    server = Server(fastbroker_core.Engine({}), loop, 1 << 20)
+    listener = loop.run_until_complete(loop.create_server(server.new_connection, "127.0.0.1", 0))
+    port = listener.sockets[0].getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        client.sendall(CONNECT_SUB)
+
+        async def connected() -> list:
+            for _ in range(500):
+                live = [c for c in server.connections if c is not None]
+                if live:
+                    return live
+                await asyncio.sleep(0.01)
+            raise AssertionError("the broker never saw the connection")
+
+        (connection,) = loop.run_until_complete(connected())
+        sock = connection.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        client.close()
+        listener.close()
+        server.close_connections()
+        loop.run_until_complete(asyncio.sleep(0.05))
+        loop.close()
+        server = None
+        gc.collect()

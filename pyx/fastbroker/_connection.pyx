@@ -5,7 +5,6 @@ loop iteration, schedules a flush that writes everything ``engine.drain`` return
 """
 
 import logging
-import socket
 import time
 
 cimport cython
@@ -446,13 +445,8 @@ cdef class Connection:
         server.socket_count += 1
         self.transport = transport
         transport.set_write_buffer_limits(high=self.server.write_buffer_high)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                # MQTT acks and small publishes must not wait on Nagle's algorithm.
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+        # No TCP_NODELAY here: uvloop's and asyncio's TCP transports set it, and asking for
+        # the socket would cost every connection a socket object and a system call.
         self.conn_id = self.server.engine.open(monotonic_now_ms())
         self.server.register(self)
         # A connect timeout or similar may already have output; cheap when there is none.
