@@ -100,6 +100,8 @@ else
     check "fuzzing (ci/fuzz.sh, ${FUZZ_SECONDS:-60} s per target)" bash ci/fuzz.sh
 fi
 check "cargo test (load generator)" cargo test --release --manifest-path bench/loadgen/Cargo.toml
+# Built here, not only by the perf gate: the bench harness tests run the real load generator.
+check "cargo build (load generator)" cargo build --release --manifest-path bench/loadgen/Cargo.toml
 check "cargo fmt/clippy (load generator)" bash -c "cargo fmt --manifest-path bench/loadgen/Cargo.toml --check && cargo clippy --release --manifest-path bench/loadgen/Cargo.toml --all-targets -- -D warnings"
 
 check "ruff check" ruff check .
