@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
+import shutil
+import signal
 import socket
 import ssl
 import struct
@@ -25,7 +28,7 @@ import paho.mqtt.client as mqtt
 import pytest
 import rawmqtt
 from brokers import REPO, BrokerProcess, free_port, start_fastbroker, stop_later
-from certs import Certs, KeyPair, make_certs
+from certs import Certs, KeyPair, make_certs, make_leaf
 
 HOST = "127.0.0.1"
 CONNECT_TIMEOUT_MS = 1000
@@ -397,3 +400,88 @@ def test_listener_port_in_use_names_the_listener(tmp_path: Path) -> None:
     assert result.stderr.strip() == (
         f"fastbroker: cannot listen on 127.0.0.1:{port} (listener busy): address already in use"
     )
+
+
+def server_certificate(port: int, context: ssl.SSLContext) -> bytes:
+    """The DER certificate the broker's TLS listener on ``port`` presents now."""
+    with socket.create_connection((HOST, port), timeout=5) as raw:
+        with context.wrap_socket(raw, server_hostname="localhost") as sock:
+            der = sock.getpeercert(binary_form=True)
+            assert der is not None
+            return der
+
+
+def der_of(path: Path) -> bytes:
+    return ssl.PEM_cert_to_DER_cert(path.read_text())
+
+
+def test_sighup_reloads_certificates_and_keeps_the_old_on_bad_files(tmp_path: Path) -> None:
+    """Certificate rotation without a restart: after the files are replaced and SIGHUP sent,
+    new handshakes get the new certificate while a session already up goes on; a new key
+    that does not match its certificate is refused with a log line, and the listener keeps
+    serving what it had."""
+    directory = tmp_path / "certs"
+    certs = make_certs(directory)
+    live = KeyPair(tmp_path / "live.pem", tmp_path / "live.key")
+    shutil.copyfile(certs.server.cert, live.cert)
+    shutil.copyfile(certs.server.key, live.key)
+    port = free_port()
+    extra = (
+        f'[[listeners]]\nname = "tls"\ntype = "tls"\nport = {port}\n'
+        f'certfile = "{live.cert}"\nkeyfile = "{live.key}"\n'
+    )
+    broker = start_fastbroker(tmp_path, extra_toml=extra)
+    context = certs.client_context()
+    try:
+        assert server_certificate(port, context) == der_of(certs.server.cert)
+        # A session that stays up across the reload.
+        before = raw_connect(Setup(broker, certs, {"tls": port}), "tls", "before", b"", context)
+
+        # The renewal: a new certificate for the same names, from the same CA.
+        ca = KeyPair(certs.ca, certs.ca.with_suffix(".key"))
+        renewed = make_leaf(
+            directory,
+            ca,
+            "renewed",
+            "localhost",
+            "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n"
+            "extendedKeyUsage=serverAuth\nsubjectAltName=DNS:localhost,IP:127.0.0.1\n",
+        )
+        assert der_of(renewed.cert) != der_of(certs.server.cert)
+        shutil.copyfile(renewed.cert, live.cert)
+        shutil.copyfile(renewed.key, live.key)
+        os.kill(broker.pid, signal.SIGHUP)
+        assert wait_for(lambda: "listener tls: certificate reloaded" in broker.stderr_text())
+        assert server_certificate(port, context) == der_of(renewed.cert)
+        before.sendall(rawmqtt.pingreq())
+        assert rawmqtt.read_packet(before, 5).type == rawmqtt.PINGRESP
+        before.close()
+
+        # A bad renewal: the key of another certificate. Logged; the listener goes on with
+        # the renewed pair it loaded.
+        shutil.copyfile(certs.server.cert, live.cert)
+        shutil.copyfile(certs.client.key, live.key)
+        os.kill(broker.pid, signal.SIGHUP)
+        assert wait_for(
+            lambda: "listener tls keeps its previous certificate" in broker.stderr_text()
+        ), broker.stderr_text()
+        assert server_certificate(port, context) == der_of(renewed.cert)
+        assert broker.proc.poll() is None
+    finally:
+        stop_later(broker)
+
+
+def test_sighup_without_files_to_reload_does_not_stop_the_broker(tmp_path: Path) -> None:
+    """SIGHUP's default action ends a process: the broker handles it even with no password,
+    ACL or certificate file, so a reload sent to every broker of a fleet stops none."""
+    broker = start_fastbroker(tmp_path)
+    try:
+        os.kill(broker.pid, signal.SIGHUP)
+        assert wait_for(lambda: "SIGHUP: reloading files" in broker.stderr_text())
+        sock = socket.create_connection((HOST, broker.port), timeout=5)
+        sock.sendall(rawmqtt.connect("after-hup"))
+        assert rawmqtt.parse_connack(rawmqtt.read_packet(sock, 5)).reason == 0
+        sock.close()
+        assert broker.proc.poll() is None
+    finally:
+        stop_later(broker)

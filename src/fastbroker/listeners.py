@@ -616,6 +616,28 @@ class ListenerGroup:
     def is_serving(self) -> bool:
         return bool(self.servers) and all(server.is_serving() for server in self.servers)
 
+    def reload_certificates(self) -> int:
+        """Re-reads the certificate, key and CA files of every tls and wss listener (SIGHUP):
+        handshakes from now on use them, connections already up keep theirs. A listener whose
+        new files are unreadable or do not go together keeps its old ones (logged). Returns
+        how many listeners took new files."""
+        reloaded = 0
+        for context in self.contexts:
+            spec = context.spec
+            if not spec.tls:
+                continue
+            try:
+                # A new context, swapped in whole: loading into the live one could leave a new
+                # certificate with the old key when the new key is bad.
+                fresh = build_ssl_context(spec)
+            except ValueError as error:
+                logger.error("listener %s keeps its previous certificate: %s", spec.name, error)
+                continue
+            context.ssl_context = fresh
+            reloaded += 1
+            logger.info("listener %s: certificate reloaded from %s", spec.name, spec.certfile)
+        return reloaded
+
     def close(self) -> None:
         for server in self.servers:
             server.close()

@@ -242,8 +242,7 @@ async def run_server(
     # Installed before the "listening" line, so a signal sent on seeing it is always handled.
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop_requested.set)
-    if auth is not None:
-        loop.add_signal_handler(signal.SIGHUP, auth.reload)
+    loop.add_signal_handler(signal.SIGHUP, reload_files, auth, listener)
 
     limits = config.limits
     if limits.max_connections:
@@ -284,6 +283,15 @@ async def run_server(
     server.stop_syncing()
     await listener.wait_closed()
     logger.info("stopped")
+
+
+def reload_files(auth: Any, listener: ListenerGroup) -> None:
+    """SIGHUP: re-reads the password and ACL files and the listeners' certificates. A bad new
+    file is logged and the old one kept; the broker never stops for it."""
+    logger.info("SIGHUP: reloading files")
+    if auth is not None:
+        auth.reload()
+    listener.reload_certificates()
 
 
 async def start_auth(
