@@ -388,3 +388,17 @@ def start_broker(kind: str, tmp_path: Path, **options) -> BrokerProcess:
     except KeyError:
         raise ValueError(f"unknown broker kind {kind!r}") from None
     return starter(tmp_path, **options)
+
+
+def run_broker_to_exit(directory: Path, toml: str) -> subprocess.CompletedProcess[str]:
+    """``fastbroker run`` on ``toml`` (plus a data directory in ``directory``) until it exits:
+    for configs and files that must stop the broker at startup. Output is captured."""
+    config = directory / "broker.toml"
+    config.write_text(f'[storage]\ndata_dir = "{directory / "data"}"\n\n' + toml)
+    return subprocess.run(
+        [sys.executable, "-m", "fastbroker", "run", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=directory,
+    )

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import rawmqtt
+from brokers import run_broker_to_exit
 from conftest import Client, MqttError
 
 from fastbroker.auth.passwords import DEFAULT_COST, hash_password
@@ -366,32 +367,14 @@ def test_sighup_reloads_acl_and_passwords(make_broker, tmp_path):
 
 
 def test_bad_files_stop_the_broker_with_one_line(tmp_path):
-    import subprocess
-    import sys
-
     (tmp_path / "acl").write_text("topic read ok\ntopic fly x\n")
-    config = tmp_path / "c.toml"
-    config.write_text(f'[auth]\nacl_file = "{tmp_path / "acl"}"\n')
-    done = subprocess.run(
-        [sys.executable, "-m", "fastbroker", "run", "--config", str(config), "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=tmp_path,
-    )
+    done = run_broker_to_exit(tmp_path, f'[auth]\nacl_file = "{tmp_path / "acl"}"\n')
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == (
         f"fastbroker: {tmp_path / 'acl'}:2: unknown right 'fly' "
         "(known: publish, write, subscribe, read, readwrite)"
     )
-    config.write_text(f'[auth]\npassword_file = "{tmp_path / "missing"}"\n')
-    done = subprocess.run(
-        [sys.executable, "-m", "fastbroker", "run", "--config", str(config), "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=tmp_path,
-    )
+    done = run_broker_to_exit(tmp_path, f'[auth]\npassword_file = "{tmp_path / "missing"}"\n')
     assert done.returncode == 2
     assert "[auth] password_file: no such file" in done.stderr
 

@@ -9,16 +9,13 @@ subscribers (the flush runs once per iteration), and the whole broker stalls for
 from __future__ import annotations
 
 import asyncio
-import gc
 import socket
 import threading
 
 import fastbroker_core
 import pytest
-import uvloop
+from layer import Layer
 from test_python_calls import CONNECT_PUB, CONNECT_SUB, PUBLISH, SUBSCRIBE, read_exactly
-
-from fastbroker._connection import Server
 
 FLOOD_BYTES = 16 * 1024 * 1024
 
@@ -48,11 +45,9 @@ class FeedPerFlush:
 def flood(read_budget: int) -> int:
     """Floods 16 MiB of QoS 0 publishes through the layer; returns the most bytes one
     connection fed between two flushes. Every publish must reach the subscriber."""
-    loop = uvloop.new_event_loop()
     engine = FeedPerFlush(fastbroker_core.Engine({"max_queued_messages": 1_000_000}))
-    server = Server(engine, loop, 1 << 20, read_budget=read_budget)
-    listener = loop.run_until_complete(loop.create_server(server.new_connection, "127.0.0.1", 0))
-    port = listener.sockets[0].getsockname()[1]
+    layer = Layer(engine, read_budget=read_budget)
+    loop, port = layer.loop, layer.port
     n = FLOOD_BYTES // len(PUBLISH)
     done = threading.Event()
     errors: list[BaseException] = []
@@ -91,14 +86,7 @@ def flood(read_budget: int) -> int:
         loop.run_until_complete(asyncio.wait_for(run(), 60))
     finally:
         thread.join(5)
-        listener.close()
-        server.close_connections()
-        loop.run_until_complete(asyncio.sleep(0.05))
-        loop.close()
-        # The server and its connections form cycles around the engine, which may only be
-        # freed on this thread: collect them now, not in some client library's thread.
-        server = None
-        gc.collect()
+        layer.close()
     assert not errors, errors
     return engine.max_per_flush
 
@@ -116,30 +104,24 @@ def test_accepted_sockets_have_nagle_off():
     """MQTT acks and small publishes must not wait on Nagle's algorithm. The connection layer
     does not set TCP_NODELAY itself: the event loop's TCP transports do (uvloop and asyncio
     alike), and this checks that they still do."""
-    loop = uvloop.new_event_loop()
-    server = Server(fastbroker_core.Engine({}), loop, 1 << 20)
-    listener = loop.run_until_complete(loop.create_server(server.new_connection, "127.0.0.1", 0))
-    port = listener.sockets[0].getsockname()[1]
-    client = socket.create_connection(("127.0.0.1", port), timeout=10)
+    layer = Layer(fastbroker_core.Engine({}))
+    client = socket.create_connection(("127.0.0.1", layer.port), timeout=10)
     try:
         client.sendall(CONNECT_SUB)
 
         async def connected() -> list:
+            assert layer.server is not None
             for _ in range(500):
-                live = [c for c in server.connections if c is not None]
+                live = [c for c in layer.server.connections if c is not None]
                 if live:
                     return live
                 await asyncio.sleep(0.01)
             raise AssertionError("the broker never saw the connection")
 
-        (connection,) = loop.run_until_complete(connected())
+        (connection,) = layer.loop.run_until_complete(connected())
         sock = connection.transport.get_extra_info("socket")
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        del connection
     finally:
         client.close()
-        listener.close()
-        server.close_connections()
-        loop.run_until_complete(asyncio.sleep(0.05))
-        loop.close()
-        server = None
-        gc.collect()
+        layer.close()

@@ -16,8 +16,6 @@ import signal
 import socket
 import ssl
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,7 +25,13 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 import rawmqtt
-from brokers import REPO, BrokerProcess, free_port, start_fastbroker, stop_later
+from brokers import (
+    BrokerProcess,
+    free_port,
+    run_broker_to_exit,
+    start_fastbroker,
+    stop_later,
+)
 from certs import Certs, KeyPair, make_certs, make_leaf
 
 HOST = "127.0.0.1"
@@ -320,18 +324,6 @@ def test_bad_proxy_headers_are_refused_and_logged(setup: Setup) -> None:
 # ------------------------------------------------------------------------------ config
 
 
-def run_broker(tmp_path: Path, toml: str) -> subprocess.CompletedProcess[str]:
-    config = tmp_path / "broker.toml"
-    config.write_text(f'[storage]\ndata_dir = "{tmp_path / "data"}"\n\n' + toml)
-    return subprocess.run(
-        [sys.executable, "-m", "fastbroker", "run", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=REPO,
-    )
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     return make_certs(tmp_path_factory.mktemp("config-certs"))
@@ -380,7 +372,7 @@ def test_bad_listener_configs_exit_2_with_one_line(
         "wrong_key": str(certs.client.key),
         "port": str(free_port()),
     }
-    result = run_broker(tmp_path, "[[listeners]]\n" + body.format(**values))
+    result = run_broker_to_exit(tmp_path, "[[listeners]]\n" + body.format(**values))
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -392,7 +384,7 @@ def test_listener_port_in_use_names_the_listener(tmp_path: Path) -> None:
         taken.bind((HOST, 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = run_broker(
+        result = run_broker_to_exit(
             tmp_path,
             f'[listener]\nport = 0\n\n[[listeners]]\nname = "busy"\ntype = "ws"\nport = {port}\n',
         )

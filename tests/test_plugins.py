@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import rawmqtt
+from brokers import run_broker_to_exit
 from test_auth_e2e import AckClient, connack_code, connect, password_file, raw_qos2_code
 
 from fastbroker.auth.plugins import ConnectRequest, Message
@@ -348,20 +347,8 @@ def test_misbehaving_plugin_refuses_and_denies_but_never_crashes(make_broker, tm
     assert broker.alive()
 
 
-def run_broker_expecting_exit(tmp_path: Path, extra: str) -> subprocess.CompletedProcess[str]:
-    config = tmp_path / "c.toml"
-    config.write_text(f'[storage]\ndata_dir = "{tmp_path / "data"}"\n{extra}')
-    return subprocess.run(
-        [sys.executable, "-m", "fastbroker", "run", "--config", str(config), "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=tmp_path,
-    )
-
-
 def test_plugin_load_and_start_failures(tmp_path):
-    done = run_broker_expecting_exit(tmp_path, plugin_config("no.such.module:create"))
+    done = run_broker_to_exit(tmp_path, plugin_config("no.such.module:create"))
     assert done.returncode == 2
     assert "cannot load 'no.such.module:create': ModuleNotFoundError" in done.stderr
 
@@ -373,12 +360,12 @@ def test_plugin_load_and_start_failures(tmp_path):
         "def create(**options):\n"
         "    return NoStart()\n"
     )
-    done = run_broker_expecting_exit(tmp_path, plugin_config(f"{tmp_path / 'nostart.py'}:create"))
+    done = run_broker_to_exit(tmp_path, plugin_config(f"{tmp_path / 'nostart.py'}:create"))
     assert done.returncode == 1
     assert "plugin NoStart failed to start: ConnectionError: no database" in done.stderr
 
     spec = f"{tmp_path / 'nostart.py'}:create"
-    done = run_broker_expecting_exit(
+    done = run_broker_to_exit(
         tmp_path, plugin_config(spec) + '[auth.plugin_options."other:create"]\nx = 1\n'
     )
     assert done.returncode == 2

@@ -9,16 +9,13 @@ that counts the calls the connection layer makes into it. Clients are raw socket
 from __future__ import annotations
 
 import asyncio
-import gc
 import socket
 import sys
 import threading
 from collections import Counter
 
 import fastbroker_core
-import uvloop
-
-from fastbroker._connection import Server
+from layer import Layer
 
 # Plain MQTT 3.1.1 packets, hand-encoded (independent of the broker's codec).
 CONNECT_SUB = bytes([0x10, 15, 0, 4]) + b"MQTT" + bytes([4, 2, 0, 0, 0, 3]) + b"sub"
@@ -69,11 +66,9 @@ def read_exactly(sock: socket.socket, n: int) -> bytes:
 def measure(n_publishes: int) -> tuple[Counter[str], Counter[str]]:
     """Sends one write of n QoS 0 publishes through a real broker connection layer; returns
     (calls into the engine, profiler events) during that window."""
-    loop = uvloop.new_event_loop()
     engine = CountingEngine(fastbroker_core.Engine({}))
-    server = Server(engine, loop, 1 << 20)
-    listener = loop.run_until_complete(loop.create_server(server.new_connection, "127.0.0.1", 0))
-    port = listener.sockets[0].getsockname()[1]
+    layer = Layer(engine)
+    loop, port = layer.loop, layer.port
     events: Counter[str] = Counter()
     ready = threading.Event()
     done = threading.Event()
@@ -132,14 +127,7 @@ def measure(n_publishes: int) -> tuple[Counter[str], Counter[str]]:
     finally:
         sys.setprofile(None)
         thread.join(5)
-        listener.close()
-        server.close_connections()
-        loop.run_until_complete(asyncio.sleep(0.05))
-        loop.close()
-        # The server and its connections form cycles around the engine, which may only be
-        # freed on this thread: collect them now, not in some client library's thread.
-        server = None
-        gc.collect()
+        layer.close()
     assert not errors, errors
     return engine.calls, events
 
