@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import rawmqtt
-from brokers import run_broker_to_exit
+import test_metrics
+from brokers import free_port, run_broker_to_exit
 from conftest import Client, MqttError
 
 from fastbroker.auth.passwords import DEFAULT_COST, hash_password
@@ -119,6 +120,57 @@ def test_a_reconnect_storm_of_known_devices_pays_scrypt_once_per_device(make_bro
     assert again < first, (first, again)
     # A wrong password is still checked the slow way, and refused.
     assert connack_code(broker, 5, username="dev0", password="nope") == V5_BAD_CREDENTIALS
+
+
+def password_checks(admin: str) -> dict[str, float]:
+    samples = test_metrics.scrape(admin)
+    return {
+        kind: test_metrics.value(samples, "fastbroker_password_checks_total", kind=kind)
+        for kind in ("slow", "recalled", "shared")
+    }
+
+
+def burst_of_connects(broker, n: int, username: str, password: str) -> list[int]:
+    """n clients send the same credentials at once; their CONNACK reason codes."""
+    socks = [rawmqtt.open_socket(*broker.address) for _ in range(n)]
+    try:
+        for i, sock in enumerate(socks):
+            sock.sendall(
+                rawmqtt.connect(
+                    f"burst-{i}", protocol=5, username=username, password=password.encode()
+                )
+            )
+        return [rawmqtt.parse_connack(rawmqtt.read_packet(sock, 10.0), 5).reason for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_a_burst_sharing_one_login_pays_one_slow_check(make_broker, tmp_path):
+    """Fleets often share one login. When its devices connect at once, the first connect's
+    slow check decides for every other one with the same credentials that arrives while it
+    runs; later ones recall it. A shared wrong password is refused for all of them, also for
+    the price of one check."""
+    admin_port = free_port()
+    passwords = password_file(tmp_path / "passwords", {"fleet": "shared-secret"}, DEFAULT_COST)
+    broker = make_broker(
+        "fastbroker",
+        extra_toml=f'[auth]\npassword_file = "{passwords}"\n\n'
+        f"[admin]\nenabled = true\nport = {admin_port}\n",
+    )
+    admin = f"127.0.0.1:{admin_port}"
+    before = password_checks(admin)
+    assert burst_of_connects(broker, 40, "fleet", "shared-secret") == [0] * 40
+    good = password_checks(admin)
+    assert good["slow"] - before["slow"] == 1, (before, good)
+    assert good["shared"] + good["recalled"] - before["shared"] - before["recalled"] == 39
+    assert good["shared"] > before["shared"], good  # at a ~40 ms check, most arrive during it
+    codes = burst_of_connects(broker, 20, "fleet", "wrong")
+    assert codes == [V5_BAD_CREDENTIALS] * 20
+    bad = password_checks(admin)
+    # Wrong passwords are never recalled: the ones that came after the check get their own.
+    assert bad["recalled"] == good["recalled"]
+    assert bad["slow"] - good["slow"] < 20 and bad["shared"] > good["shared"], (good, bad)
 
 
 def test_password_file_decides_v5(make_broker, tmp_path):
@@ -384,9 +436,9 @@ def test_bad_files_stop_the_broker_with_one_line(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_connect_burst_with_passwords_does_not_stall_connected_clients(make_broker, tmp_path):
-    """300 connects with passwords (one real scrypt each) arrive at once while two clients
-    exchange messages: their latency stays low, and the checks beyond the queue bound are
-    refused at once with 0x89 instead of piling up."""
+    """300 connects with passwords (270 wrong ones, all different: one real scrypt each) arrive
+    at once while two clients exchange messages: their latency stays low, and the checks
+    beyond the queue bound are refused at once with 0x89 instead of piling up."""
     broker = auth_broker(
         make_broker, tmp_path, users={"app": "pw", "device": "secret"}, cost=DEFAULT_COST
     )
@@ -421,7 +473,8 @@ def test_connect_burst_with_passwords_does_not_stall_connected_clients(make_brok
             for n in range(300):
                 sock = rawmqtt.open_socket(*broker.address, timeout=10)
                 sockets.append(sock)
-                password = b"secret" if n % 2 else b"wrong"
+                # Wrong passwords all differ: identical credentials would share one check.
+                password = b"secret" if n % 10 == 1 else f"wrong-{n}".encode()
                 sock.sendall(
                     rawmqtt.connect(f"burst-{n}", protocol=5, username="device", password=password)
                 )
@@ -454,7 +507,7 @@ def test_connect_burst_with_passwords_does_not_stall_connected_clients(make_brok
         # The checks that ran gave the right answers.
         assert all(c in (0, 0x86, V5_BUSY, None) for c in codes), codes
         checked = [(n, c) for n, c in enumerate(codes) if c in (0, 0x86)]
-        assert checked and all((c == 0) == (n % 2 == 1) for n, c in checked)
+        assert checked and all((c == 0) == (n % 10 == 1) for n, c in checked)
         # The checks still queued belonged to clients that left: they are skipped, not
         # hashed, so a new client is answered soon (not after ~200 more scrypts).
         started = time.monotonic()

@@ -145,9 +145,11 @@ class BrokerCollector:
         store: Any = None,
         cluster: Any = None,
         readiness: Any = None,
+        auth: Any = None,
         version: str = "",
     ) -> None:
         self.engine = engine
+        self.auth = auth
         self.server = server
         self.store = store
         self.cluster = cluster
@@ -163,6 +165,7 @@ class BrokerCollector:
         yield from self.process_metrics()
         yield from self.broker_metrics()
         yield from self.store_metrics()
+        yield from self.auth_metrics()
         if self.cluster is not None:
             yield from self.cluster_metrics()
 
@@ -196,6 +199,21 @@ class BrokerCollector:
 
     def uptime(self) -> float:
         return time.monotonic() - self.started
+
+    def auth_metrics(self) -> Iterator[Metric]:
+        checks = getattr(self.auth, "password_checks", None)
+        if not isinstance(checks, dict):
+            return
+        family = CounterMetricFamily(
+            PREFIX + "password_checks",
+            "Password checks by how they were decided: slow (a scrypt or argon2 hash), "
+            "recalled (passed before: one keyed digest), shared (the verdict of the same "
+            "credentials' check under way)",
+            labels=["kind"],
+        )
+        for kind, count in sorted(checks.items()):
+            family.add_metric([kind], count)
+        yield family
 
     def broker_metrics(self) -> Iterator[Metric]:
         server = self.server

@@ -232,6 +232,7 @@ async def run_server(
             server=server,
             store=store,
             listeners=[listener],
+            auth=auth,
         )
     except StartupError:
         if cluster is not None:
@@ -356,6 +357,7 @@ async def start_admin(
     store: Store,
     # Anything with is_serving(): asyncio.Server, fastbroker.listeners.ListenerGroup.
     listeners: list[Any],
+    auth: Any = None,
 ) -> AdminServer | None:
     enabled = config.admin.enabled
     if not (enabled if enabled is not None else cluster is not None):
@@ -376,6 +378,7 @@ async def start_admin(
         store=store,
         cluster=cluster,
         readiness=readiness,
+        auth=auth,
         version=__version__,
     )
     handle = routes(

@@ -196,6 +196,12 @@ class AuthCoordinator:
         # Gates the executor so that a queued check can be skipped if its client went away.
         self.verify_slots = asyncio.Semaphore(workers)
         self.pending_verifications = 0
+        # Slow checks under way, by (username, keyed digest of the password): the same
+        # credentials arriving meanwhile wait for that verdict instead of hashing again (a
+        # fleet sharing one login, reconnecting at once). None = no verdict (its client left).
+        self.checks_in_flight: dict[tuple[str, bytes], asyncio.Future[bool | None]] = {}
+        # Password checks by how they were decided, for /metrics.
+        self.password_checks = {"slow": 0, "recalled": 0, "shared": 0}
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.exchanges: dict[int, Exchange] = {}
         self.accepted: dict[int, Accepted] = {}
@@ -422,7 +428,37 @@ class AuthCoordinator:
     async def check_password(self, request: ConnectRequest, token: object) -> Decision:
         passwords = self.passwords
         if passwords is not None and passwords.recall(request.username, request.password):
+            self.password_checks["recalled"] += 1
             return Decision(AuthResult.accept(), request.username)
+        key = None
+        if passwords is not None and request.username is not None and request.password is not None:
+            key = (request.username, passwords.recall_digest(request.password))
+            shared = self.checks_in_flight.get(key)
+            if shared is not None:
+                # Shielded: this client leaving must not cancel the check the others wait on.
+                ok = await asyncio.shield(shared)
+                if ok is not None:
+                    self.password_checks["shared"] += 1
+                    return password_decision(request, ok)
+                # That check was never made: make ours.
+        if key is None or key in self.checks_in_flight:
+            outcome = await self.slow_check(request, token)
+        else:
+            future: asyncio.Future[bool | None] = self.loop.create_future()
+            self.checks_in_flight[key] = future
+            outcome = None
+            try:
+                outcome = await self.slow_check(request, token)
+            finally:
+                del self.checks_in_flight[key]
+                future.set_result(outcome if isinstance(outcome, bool) else None)
+        if isinstance(outcome, bool):
+            return password_decision(request, outcome)
+        return outcome
+
+    async def slow_check(self, request: ConnectRequest, token: object) -> bool | Decision:
+        """One scrypt (or argon2) on the verification threads, when there is room: the
+        verdict, or the refusal of a check that was not made."""
         if self.pending_verifications >= self.max_pending_verifications:
             return refusal(SERVER_BUSY)
         self.pending_verifications += 1
@@ -434,14 +470,12 @@ class AuthCoordinator:
                 passwords = self.passwords
                 if passwords is None:  # removed by a reload meanwhile
                     return refusal(BAD_USERNAME_OR_PASSWORD)
-                ok = await self.loop.run_in_executor(
+                self.password_checks["slow"] += 1
+                return await self.loop.run_in_executor(
                     self.executor, passwords.verify, request.username, request.password
                 )
         finally:
             self.pending_verifications -= 1
-        if ok:
-            return Decision(AuthResult.accept(), request.username)
-        return refusal(BAD_USERNAME_OR_PASSWORD)
 
     async def enhanced(self, plugin: Plugin, request: ConnectRequest, step: int) -> AuthResult:
         try:
@@ -588,6 +622,12 @@ class AuthCoordinator:
         except Exception:
             logger.exception("auth plugin %s: %s raised", plugin_name(plugin), hook)
         raise PluginFailure
+
+
+def password_decision(request: ConnectRequest, ok: bool) -> Decision:
+    if ok:
+        return Decision(AuthResult.accept(), request.username)
+    return refusal(BAD_USERNAME_OR_PASSWORD)
 
 
 def refusal(code: int, reason: str | None = None) -> Decision:
