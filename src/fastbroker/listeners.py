@@ -616,12 +616,10 @@ class ListenerGroup:
     def is_serving(self) -> bool:
         return bool(self.servers) and all(server.is_serving() for server in self.servers)
 
-    def reload_certificates(self) -> int:
+    def reload_certificates(self) -> None:
         """Re-reads the certificate, key and CA files of every tls and wss listener (SIGHUP):
         handshakes from now on use them, connections already up keep theirs. A listener whose
-        new files are unreadable or do not go together keeps its old ones (logged). Returns
-        how many listeners took new files."""
-        reloaded = 0
+        new files are unreadable or do not go together keeps its old ones (logged)."""
         for context in self.contexts:
             spec = context.spec
             if not spec.tls:
@@ -634,9 +632,7 @@ class ListenerGroup:
                 logger.error("listener %s keeps its previous certificate: %s", spec.name, error)
                 continue
             context.ssl_context = fresh
-            reloaded += 1
             logger.info("listener %s: certificate reloaded from %s", spec.name, spec.certfile)
-        return reloaded
 
     def close(self) -> None:
         for server in self.servers:
