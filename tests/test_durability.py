@@ -21,6 +21,7 @@ from brokers import HOST, free_port
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from syscalls import STRACE, calls, needs_strace
 from tmpfs import mounted_tmpfs
 
 READY_TIMEOUT = 15.0
@@ -30,9 +31,16 @@ class Broker:
     """One fastbroker process on a given data directory."""
 
     def __init__(
-        self, data_dir: Path, port: int, fsync: str = "interval", workdir: Path | None = None
+        self,
+        data_dir: Path,
+        port: int,
+        fsync: str = "interval",
+        workdir: Path | None = None,
+        wrapper: tuple[str, ...] = (),
     ) -> None:
         self.port = port
+        # A command the broker runs under (strace): self.proc is then the wrapper's process.
+        self.wrapper = wrapper
         workdir = workdir or data_dir.parent
         self.config = workdir / f"fastbroker-{port}.toml"
         self.config.write_text(
@@ -48,6 +56,7 @@ class Broker:
         self.stderr = open(self.log, "wb")
         self.proc = subprocess.Popen(
             [
+                *self.wrapper,
                 *(sys.executable, "-m", "fastbroker", "run", "--config", str(self.config)),
                 *("--host", HOST, "--port", str(self.port)),
             ],
@@ -159,6 +168,45 @@ def test_sessions_messages_and_retained_survive_a_restart(tmp_path, brokers, sto
     # QoS 2: exactly once, in order.
     assert twos == [f"two-{i}" for i in range(50)]
     assert ("state/lamp", "on", 1) in got
+
+
+# Timers an idle broker runs: the memory mark's check (20/s) and the engine tick (10/s), two
+# epoll calls per wake-up. The group-commit timer ran at 1/fsync_interval (100/s) even idle.
+IDLE_EPOLL_CALLS_PER_S = 100
+
+
+@needs_strace
+@pytest.mark.timeout(60)
+def test_group_commit_syncs_what_was_written_and_sleeps_when_idle(tmp_path, brokers):
+    """fsync = "interval": a write is synced within the interval, and with nothing written the
+    broker neither syncs nor wakes for it (an idle broker costs no CPU to speak of)."""
+    trace = tmp_path / "strace.txt"
+    wrapper = (STRACE or "strace", "-f", "-qq", "-ttt", "-o", str(trace))
+    wrapper += ("-e", "trace=epoll_wait,epoll_pwait,fsync,fdatasync")
+    b = Broker(tmp_path / "data", free_port(), wrapper=wrapper).start()
+    brokers.append(b)
+    time.sleep(1.0)  # past startup's own syncs
+    idle_from = time.time()
+    time.sleep(2.0)
+    idle_to = time.time()
+    sub = client("durable", b.port, 4, clean=False)
+    sub.subscribe("d/#", 1)  # a persistent session's subscription is stored
+    time.sleep(0.5)
+    written_to = time.time()
+    close(sub)
+    assert b.proc is not None
+    # Stopped through the broker itself: strace then writes its last lines and exits.
+    broker_pid = int(Path(f"/proc/{b.proc.pid}/task/{b.proc.pid}/children").read_text().split()[0])
+    os.kill(broker_pid, signal.SIGTERM)
+    assert b.wait_exit(20) == 0
+
+    traced = calls(trace)
+    idle = [name for t, name in traced if idle_from <= t < idle_to]
+    written = [name for t, name in traced if idle_to <= t < written_to]
+    idle_epolls = sum(name.startswith("epoll") for name in idle)
+    assert idle_epolls < IDLE_EPOLL_CALLS_PER_S * (idle_to - idle_from), idle_epolls
+    assert not [name for name in idle if name in ("fsync", "fdatasync")]
+    assert [name for name in written if name in ("fsync", "fdatasync")], written[-20:]
 
 
 def tree_digest(path: Path) -> dict[str, str]:

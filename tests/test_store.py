@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from syscalls import STRACE, needs_strace
 from tmpfs import mounted_tmpfs
 
 import fastbroker.store
@@ -270,8 +271,6 @@ def test_bad_policy_arguments(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- fsync, counted
 
-STRACE = shutil.which("strace")
-
 SYNC_COUNT_CHILD = """
 import sys
 from fastbroker.store import Store
@@ -301,22 +300,7 @@ def count_syncs(tmp_path: Path, policy: str, writes: int, call_sync: bool) -> in
     return calls
 
 
-def strace_works() -> bool:
-    if STRACE is None:
-        return False
-    try:
-        probe = subprocess.run(
-            [STRACE, "-qq", "-o", os.devnull, "true"], capture_output=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return probe.returncode == 0
-
-
-@pytest.mark.skipif(
-    not strace_works() and os.environ.get("FASTBROKER_REQUIRED") != "1",
-    reason="strace missing or not permitted (ptrace)",
-)
+@needs_strace
 @pytest.mark.timeout(120)
 def test_fsync_policies_by_syscall_count(tmp_path: Path) -> None:
     writes = 200

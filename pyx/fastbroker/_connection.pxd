@@ -40,6 +40,8 @@ cdef class Server:
     cdef object failed_ops
     cdef object store_retry_handle
     cdef object sync_handle
+    # fsync = "interval": seconds between a write and its sync; 0 = not syncing.
+    cdef double sync_interval
     # Control-plane hooks (fastbroker.auth, fastbroker.access_log); None when unused. Each is
     # called with a batch the engine produced, at most once per flush.
     cdef public object auth_handler
@@ -67,6 +69,7 @@ cdef class Server:
     cdef log_engine_events(self)
     cdef recheck_paused(self)
     cdef reset_read_budgets(self)
+    cdef arm_sync(self)
     cdef bint write_store_ops(self) except -1
     cdef set_reading_all(self, bint reading)
     cdef run_hooks(self)

@@ -66,6 +66,7 @@ cdef class Server:
         self.failed_ops = None
         self.store_retry_handle = None
         self.sync_handle = None
+        self.sync_interval = 0.0
         self.tick_interval = tick_interval
         self.tick_handle = None
         self.engine_feed = engine.feed
@@ -339,6 +340,7 @@ cdef class Server:
         ops = self.engine_take_store_ops()
         try:
             self.store.write(ops)
+            self.arm_sync()
         except StoreWriteError as error:
             self.failed_ops = ops
             publishers = self.engine.store_failed(monotonic_now_ms())
@@ -363,6 +365,7 @@ cdef class Server:
             if self.store.recover():
                 self.store.write(ops)
                 self.failed_ops = None
+                self.arm_sync()
         except StoreWriteError as error:
             logger.warning("store still failing: %s", error)
         if self.failed_ops is not None:
@@ -374,18 +377,27 @@ cdef class Server:
         self.flush()
 
     def start_syncing(self, double interval):
-        """Group commit for fsync = "interval": the WAL is synced every ``interval`` s."""
-        if self.sync_handle is None:
-            self.sync_handle = self.loop.call_later(interval, self.on_sync, interval)
+        """Group commit for fsync = "interval": the WAL is synced at most ``interval`` s after
+        a write. The timer runs only while something written is not yet synced, so an idle
+        broker is not woken 1/interval times a second."""
+        self.sync_interval = interval
+        # Whatever was written before (the restore's clean-up) gets its sync too.
+        self.arm_sync()
 
     def stop_syncing(self):
+        self.sync_interval = 0.0
         if self.sync_handle is not None:
             self.sync_handle.cancel()
             self.sync_handle = None
 
-    def on_sync(self, double interval):
-        self.sync_handle = self.loop.call_later(interval, self.on_sync, interval)
+    cdef arm_sync(self):
+        if self.sync_interval > 0.0 and self.sync_handle is None:
+            self.sync_handle = self.loop.call_later(self.sync_interval, self.on_sync)
+
+    def on_sync(self):
+        self.sync_handle = None
         if self.failed_ops is not None:
+            # retry_store arms the timer again once the held batch is written.
             return
         try:
             self.store.sync()
