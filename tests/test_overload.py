@@ -263,3 +263,31 @@ def test_connection_rate_limit_refuses_tls_sockets_before_their_handshake(make_b
     assert refused >= 10
     # Refused sockets never reached the TLS layer: no handshake failure is logged for them.
     assert "TLS handshake" not in b.stderr_text()
+
+
+def test_memory_guard_checks_less_often_far_below_the_mark():
+    """An idle broker far below its mark is not woken 20 times a second; near the mark, past
+    it and under pressure the checks keep the short pace that bounds the overshoot."""
+    import asyncio
+
+    from fastbroker.overload import (
+        CHECK_INTERVAL_S,
+        MAX_CHECK_INTERVAL_S,
+        MAX_GROWTH_BYTES_PER_S,
+        MemoryGuard,
+    )
+
+    mark = 16 << 30
+    loop = asyncio.new_event_loop()
+    try:
+        guard = MemoryGuard(loop, lambda pressure: 0, mark, rss=lambda: None)
+        assert guard.delay(100 << 20) == MAX_CHECK_INTERVAL_S
+        halfway = mark - MAX_GROWTH_BYTES_PER_S // 2
+        assert guard.delay(halfway) == 0.5
+        assert guard.delay(mark - (1 << 20)) == CHECK_INTERVAL_S
+        assert guard.delay(mark + 1) == CHECK_INTERVAL_S
+        assert guard.delay(None) == CHECK_INTERVAL_S
+        guard.pressure = True
+        assert guard.delay(100 << 20) == CHECK_INTERVAL_S
+    finally:
+        loop.close()

@@ -22,6 +22,11 @@ logger = logging.getLogger("fastbroker.overload")
 # Reading /proc/self/statm costs microseconds; a short interval bounds the overshoot past the
 # mark (loopback publishers can push hundreds of MB per second).
 CHECK_INTERVAL_S = 0.05
+# Far below the mark the checks are spaced out (an idle broker is not woken 20 times a
+# second for them): the next check comes before RSS could reach the mark growing at this
+# rate, well above what the broker can take in, and at most this long after the last.
+MAX_GROWTH_BYTES_PER_S = 4 << 30
+MAX_CHECK_INTERVAL_S = 1.0
 # malloc_trim walks the heap (milliseconds): under pressure at most this often.
 TRIM_INTERVAL_S = 1.0
 # Reading resumes below this share of the high-water mark (hysteresis: no flapping).
@@ -85,9 +90,18 @@ class MemoryGuard:
             self.handle.cancel()
             self.handle = None
 
+    def delay(self, rss: int | None) -> float:
+        """Seconds until the next check."""
+        if self.pressure or rss is None:
+            return self.interval
+        headroom = (self.high_water - rss) / MAX_GROWTH_BYTES_PER_S
+        return min(MAX_CHECK_INTERVAL_S, max(self.interval, headroom))
+
     def check(self) -> None:
-        self.handle = self.loop.call_later(self.interval, self.check)
         rss = self.rss()
+        # Rescheduled first, so one failing check does not end them (past the mark: the
+        # short pace, as headroom is negative).
+        self.handle = self.loop.call_later(self.delay(rss), self.check)
         if rss is None:
             return
         if not self.pressure:
