@@ -186,20 +186,26 @@ def test_group_commit_syncs_what_was_written_and_sleeps_when_idle(tmp_path, brok
     wrapper += ("-e", "trace=epoll_wait,epoll_pwait,fsync,fdatasync")
     b = Broker(tmp_path / "data", free_port(), wrapper=wrapper).start()
     brokers.append(b)
-    time.sleep(1.0)  # past startup's own syncs
-    idle_from = time.time()
-    time.sleep(2.0)
-    idle_to = time.time()
-    sub = client("durable", b.port, 4, clean=False)
-    sub.subscribe("d/#", 1)  # a persistent session's subscription is stored
-    time.sleep(0.5)
-    written_to = time.time()
-    close(sub)
     assert b.proc is not None
-    # Stopped through the broker itself: strace then writes its last lines and exits.
+    # The broker is strace's child; killing strace alone would leave it running.
     broker_pid = int(Path(f"/proc/{b.proc.pid}/task/{b.proc.pid}/children").read_text().split()[0])
-    os.kill(broker_pid, signal.SIGTERM)
-    assert b.wait_exit(20) == 0
+    try:
+        time.sleep(1.0)  # past startup's own syncs
+        idle_from = time.time()
+        time.sleep(2.0)
+        idle_to = time.time()
+        sub = client("durable", b.port, 4, clean=False)
+        sub.subscribe("d/#", 1)  # a persistent session's subscription is stored
+        time.sleep(0.5)
+        written_to = time.time()
+        close(sub)
+        # Stopped through the broker itself: strace then writes its last lines and exits.
+        os.kill(broker_pid, signal.SIGTERM)
+        assert b.wait_exit(20) == 0
+    finally:
+        # strace lives as long as the broker does: while it runs, that PID is still ours.
+        if b.proc.poll() is None:
+            os.kill(broker_pid, signal.SIGKILL)
 
     traced = calls(trace)
     idle = [name for t, name in traced if idle_from <= t < idle_to]

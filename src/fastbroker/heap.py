@@ -29,7 +29,7 @@ TRIM_GROWTH = 2
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-# (pid, fd) of this process's /proc/self/statm, kept open: the memory mark samples it 20
+# (pid, fd) of this process's /proc/self/statm, kept open: the memory mark samples it up to 20
 # times a second, and one pread costs a system call where open/read/close cost nine.
 _statm: tuple[int, int] | None = None
 
