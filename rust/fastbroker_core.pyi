@@ -159,6 +159,9 @@ class Engine:
         """The connection is gone (by the peer or after ``drain`` asked to close it);
         ``reason`` is the access log's reason when the engine did not ask for it (default
         "connection lost")."""
+    def close_all(self, detail: str, now_ms: int) -> None:
+        """The broker is stopping: every connection is asked to close (see ``drain``), MQTT 5
+        clients first getting DISCONNECT 0x8B; wills are published."""
     def take_resumed(self) -> list[int]:
         """Held connections that may be read again, since the last call."""
     def has_resumed(self) -> bool:

@@ -61,6 +61,9 @@ cdef class Server:
     cdef Py_ssize_t socket_count
     # Set by close_connections: connections ending now are logged as a server shutdown.
     cdef bint shutting_down
+    # After the broker's last packet a connection is half-closed and read (and what it sends
+    # discarded) until the client closes or this many seconds pass; 0 closes at once.
+    cdef public double close_linger
 
     cpdef schedule_flush(self)
     cpdef flush(self)
@@ -95,7 +98,11 @@ cdef class Connection:
     # Set by the listener (fastbroker.listeners) before connection_made: "listener", "peer",
     # "cert_cn", "use_identity_as_username", "transport", "proxy"; None if not from one.
     cdef public object info
+    # Half-closed after the broker's last packet, waiting for the client to close (linger).
+    cdef readonly bint lingering
+    cdef object linger_handle
 
+    cdef linger(self)
     cdef pause(self)
     cdef resume(self)
     cdef bint may_read(self)

@@ -30,6 +30,8 @@ DEFAULT_TICK_INTERVAL = 0.1
 DEFAULT_READ_BUDGET = 256 * 1024
 # How often a failed store write is retried (after trying to make the store writable).
 STORE_RETRY_INTERVAL = 1.0
+# How long a connection the broker closes is still read, so the client gets its last packet.
+DEFAULT_CLOSE_LINGER = 1.0
 
 
 cdef uint64_t monotonic_now_ms() noexcept nogil:
@@ -86,6 +88,7 @@ cdef class Server:
         self.sockets_refused = 0
         self.socket_count = 0
         self.shutting_down = False
+        self.close_linger = DEFAULT_CLOSE_LINGER
 
     def new_connection(self):
         """Protocol factory for ``loop.create_server``."""
@@ -151,6 +154,8 @@ cdef class Server:
                 # Already gone; the engine has been told via connection_lost.
                 continue
             connection = <Connection>entry
+            if connection.lingering:
+                continue
             try:
                 if data:
                     connection.transport.write(data)
@@ -159,8 +164,7 @@ cdef class Server:
                             > self.write_buffer_high):
                         connection.pause()
                 if close:
-                    # close() still sends what write() buffered.
-                    connection.transport.close()
+                    connection.linger()
             except Exception:
                 logger.exception("writing to connection %d failed; aborting it", conn_id)
                 connection.transport.abort()
@@ -196,12 +200,14 @@ cdef class Server:
             self.flush()
 
     def close_connections(self):
-        """Sends pending output, then closes every connection (each still gets connection_lost)."""
+        """Sends pending output and DISCONNECT 0x8B to MQTT 5 clients, then closes every
+        connection (each still gets connection_lost)."""
         self.shutting_down = True
+        self.engine.close_all("server shutting down", monotonic_now_ms())
         self.flush()
         for connection in list(self.connections):
             if connection is not None and (<Connection>connection).transport is not None:
-                (<Connection>connection).transport.close()
+                (<Connection>connection).linger()
 
     def abort_connections(self):
         """Drops every connection without waiting for its write buffer to drain."""
@@ -443,6 +449,8 @@ cdef class Connection:
         self.memory_held = False
         self.admitted = False
         self.info = None
+        self.lingering = False
+        self.linger_handle = None
 
     cdef bint may_read(self):
         return not (self.reading_paused or self.held or self.memory_held)
@@ -466,6 +474,10 @@ cdef class Connection:
 
     def data_received(self, data):
         cdef Server server = self.server
+        if self.lingering:
+            # The broker has said its last word: the rest is read only so the client is not
+            # reset before it has read that.
+            return
         cdef int flags = server.engine_feed(self.conn_id, data, monotonic_now_ms())
         if flags:
             # 1: the engine holds this connection (rate limit, interception, authentication);
@@ -494,6 +506,38 @@ cdef class Connection:
         # MQTT has no use for half-open connections: let the transport close.
         return False
 
+    cdef linger(self):
+        """Closes on the broker's initiative without resetting the connection.
+
+        Closing a socket whose receive buffer holds unread bytes makes the kernel send a reset,
+        and a reset discards what the client has not read yet: often the DISCONNECT that says
+        why. So the write side is shut once the output is sent (the client reads an orderly
+        end of stream), and the socket is read and the bytes discarded until the client
+        closes, or the linger passes and it is cut off. It stays counted against the socket
+        limits meanwhile."""
+        cdef Server server = self.server
+        transport = self.transport
+        if self.lingering or transport is None:
+            return
+        self.lingering = True
+        if server.close_linger <= 0 or not transport.can_write_eof():
+            # TLS has its own closing handshake; close() still sends what write() buffered.
+            transport.close()
+            return
+        transport.write_eof()
+        if self.memory_held:
+            self.memory_held = False
+            server.memory_held.discard(self)
+        self.held = False
+        self.reading_paused = False
+        transport.resume_reading()
+        self.linger_handle = server.loop.call_later(server.close_linger, self.linger_expired)
+
+    def linger_expired(self):
+        self.linger_handle = None
+        if self.transport is not None:
+            self.transport.abort()
+
     def connection_lost(self, exc):
         cdef Server server = self.server
         cdef Py_ssize_t conn_id = self.conn_id
@@ -502,6 +546,9 @@ cdef class Connection:
             return
         self.transport = None
         server.socket_count -= 1
+        if self.linger_handle is not None:
+            self.linger_handle.cancel()
+            self.linger_handle = None
         if self.paused:
             self.paused = False
             server.paused.discard(self)

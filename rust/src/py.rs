@@ -124,6 +124,10 @@ impl PyEngine {
         self.inner.closed_because(conn, now_ms, reason)
     }
 
+    fn close_all(&mut self, detail: &str, now_ms: u64) {
+        self.inner.close_all(detail, now_ms)
+    }
+
     fn take_resumed(&mut self) -> Vec<u32> {
         self.inner.take_resumed()
     }

@@ -10,6 +10,7 @@ EVENT_LOG_LEVELS: dict[str, int]
 DEFAULT_TICK_INTERVAL: float
 DEFAULT_READ_BUDGET: int
 STORE_RETRY_INTERVAL: float
+DEFAULT_CLOSE_LINGER: float
 
 def monotonic_ms() -> int: ...
 
@@ -28,6 +29,7 @@ class Server:
     max_sockets: int
     connection_rate: float
     sockets_refused: int
+    close_linger: float
     def __init__(
         self,
         engine: Any,
@@ -65,4 +67,6 @@ class Connection(asyncio.Protocol):
     transport: asyncio.Transport | None
     info: dict[str, Any] | None
     admitted: bool
+    lingering: bool
     def __init__(self, server: Server) -> None: ...
+    def linger_expired(self) -> None: ...

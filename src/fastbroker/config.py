@@ -158,6 +158,9 @@ class LimitsConfig:
     # Past this RSS (MiB) the broker stops reading publishers until memory falls below 80 % of
     # it; "auto" = half of the RAM (or cgroup limit), 0 = off.
     memory_high_water_mb: int | str = "auto"
+    # A connection the broker closes is half-closed and still read for this long, so its
+    # client reads the DISCONNECT or CONNACK that says why instead of a reset; 0 = no linger.
+    close_linger_ms: int = 1000
 
 
 @dataclass(frozen=True)
@@ -382,6 +385,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
     "limits": {
         "max_connections": integer(0, 10_000_000),
         "max_connection_rate": number(0),
+        "close_linger_ms": integer(0, 60_000),
         "max_publish_rate": integer(0, 100_000_000),
         "memory_high_water_mb": memory_mark,
     },

@@ -249,6 +249,7 @@ async def run_server(
     if limits.max_connections:
         server.max_sockets = limits.max_connections + SOCKETS_OVER_MAX_CONNECTIONS
     server.connection_rate = limits.max_connection_rate
+    server.close_linger = limits.close_linger_ms / 1000
     memory_guard = MemoryGuard(
         loop, server.set_memory_pressure, high_water_bytes(limits.memory_high_water_mb)
     )

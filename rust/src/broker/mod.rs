@@ -232,6 +232,19 @@ impl Engine {
         self.quarantine_or_free(id, outstanding, now);
     }
 
+    /// The broker is stopping: every connection is closed, MQTT 5 clients first getting
+    /// DISCONNECT 0x8B. Wills are published, as for any end the client did not ask for.
+    pub fn close_all(&mut self, detail: &str, now: u64) {
+        self.last_now = now;
+        for id in 0..self.conns.len() as ConnId {
+            match self.conn(id).map(|c| c.state) {
+                Some(ConnState::Active) => self.close(id, Some(0x8B), detail, true, now),
+                Some(ConnState::Closing) | None => {}
+                Some(_) => self.stop_reading_and_close(id),
+            }
+        }
+    }
+
     /// The transport's write buffer went above (false) or back below (true) its high mark.
     pub fn set_writable(&mut self, id: ConnId, writable: bool, now: u64) {
         self.last_now = now;
