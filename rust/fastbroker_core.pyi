@@ -162,6 +162,34 @@ class Engine:
     def close_all(self, detail: str, now_ms: int) -> None:
         """The broker is stopping: every connection is asked to close (see ``drain``), MQTT 5
         clients first getting DISCONNECT 0x8B; wills are published."""
+    def cluster_start(self, epoch: int) -> None:
+        """Turns the cluster part on; ``epoch`` is this process's incarnation (random,
+        non-zero), so peers tell its batches from those of an earlier run."""
+    def cluster_add_peer(self, name: str) -> int:
+        """The number of peer node ``name`` (the same for the same name), added if new."""
+    def cluster_remove_peer(self, peer: int) -> None:
+        """Forgets a peer that left the cluster: its route rows and what is queued for it."""
+    def cluster_link(self, peer: int, up: bool) -> None:
+        """The link to ``peer`` came up or went down. Up: unacknowledged batches are sent
+        again, then a snapshot of this node's route rows."""
+    def cluster_withdraw(self) -> None:
+        """This node leaves the cluster: its route rows are withdrawn from every peer."""
+    def cluster_set_writable(self, peer: int, writable: bool) -> None:
+        """The link's write buffer went over (False) or back under (True) its high mark."""
+    def has_cluster_output(self) -> bool:
+        """Whether ``drain_cluster`` has anything to hand out."""
+    def drain_cluster(self) -> list[tuple[int, bytes]]:
+        """(peer, frame) for every frame due to a peer whose link can take it now: whole
+        frames of the inter-node protocol, written to the link as they are."""
+    def cluster_feed(self, peer: int, data: bytes, now_ms: int) -> None:
+        """A data-plane batch from ``peer`` (the value of its DATA frame): routes its
+        messages here, applies its route rows. ValueError for a malformed batch, which then
+        changes nothing (drop the link)."""
+    def cluster_stats(self) -> list[dict[str, Any]]:
+        """Per peer: node_id, up, frames/messages/bytes in and out, resent, dropped,
+        route_rows, unacked_bytes."""
+    def cluster_local_rows(self) -> int:
+        """Route rows this node announces (distinct filters of its sessions)."""
     def take_resumed(self) -> list[int]:
         """Held connections that may be read again, since the last call."""
     def has_resumed(self) -> bool:

@@ -110,13 +110,43 @@ def test_wrong_secret_and_wrong_cluster_are_refused():
 
 def test_protocol_version_negotiated():
     async def main() -> None:
-        new, old = await Peer("new", protocol_max=2).listen(), await Peer("old").listen()
+        new, old = await Peer("new", protocol_max=3).listen(), await Peer("old").listen()
         new.dial(old)
         await until(lambda: new.ups and old.ups)
-        assert new.transport.links["old"].version == 1
-        assert old.transport.links["new"].version == 1
+        assert new.transport.links["old"].version == 2
+        assert old.transport.links["new"].version == 2
         for p in (new, old):
             await p.transport.close()
+
+    run(main())
+
+
+def test_a_node_of_the_release_before_the_data_plane_is_refused():
+    # Version 1 nodes cannot carry routes and forwarded messages: refused at handshake,
+    # with the reason in both logs.
+    async def main() -> None:
+        b = await Peer("b").listen()
+        reader, writer = await asyncio.open_connection(*b.address)
+        hello = {
+            "magic": tr.MAGIC,
+            "versions": [1, 1],
+            "cluster": "c",
+            "node": "old",
+            "address": "",
+            "nonce": b"n" * 16,
+        }
+        writer.write(fastbroker_core.encode_frame(tr.HELLO, hello))
+        decoder = fastbroker_core.FrameDecoder()
+        frames: list[tuple[int, Any]] = []
+        while True:
+            data = await asyncio.wait_for(reader.read(65536), 5)
+            if not data:
+                break
+            frames += decoder.feed(data)
+        assert [k for k, _ in frames] == [tr.HELLO, tr.REJECT]
+        assert frames[1][1]["reason"] == "no common protocol version: ours 2-2, theirs 1-1"
+        writer.close()
+        await b.transport.close()
 
     run(main())
 

@@ -64,6 +64,9 @@ cdef class Server:
     # After the broker's last packet a connection is half-closed and read (and what it sends
     # discarded) until the client closes or this many seconds pass; 0 closes at once.
     cdef public double close_linger
+    # The cluster's data plane (fastbroker.cluster.dataplane.DataPlane.send), or None: called
+    # by flush with the frames the engine made for other nodes, after the store batch.
+    cdef public object cluster_output
 
     cpdef schedule_flush(self)
     cpdef flush(self)

@@ -89,6 +89,7 @@ cdef class Server:
         self.socket_count = 0
         self.shutting_down = False
         self.close_linger = DEFAULT_CLOSE_LINGER
+        self.cluster_output = None
 
     def new_connection(self):
         """Protocol factory for ``loop.create_server``."""
@@ -168,6 +169,9 @@ cdef class Server:
             except Exception:
                 logger.exception("writing to connection %d failed; aborting it", conn_id)
                 connection.transport.abort()
+        if self.cluster_output is not None and self.engine.has_cluster_output():
+            # After the store batch: an acknowledgement to a peer says its messages are kept.
+            self.cluster_output(self.engine.drain_cluster())
         # A long queue is sent a slice per loop iteration: go on in the next one.
         if self.engine_has_output():
             self.schedule_flush()

@@ -313,6 +313,82 @@ impl PyEngine {
         }
     }
 
+    // -- the cluster part (crate::broker::cluster) ---------------------------------------
+
+    fn cluster_start(&mut self, epoch: u64) {
+        self.inner.cluster_start(epoch)
+    }
+
+    fn cluster_add_peer(&mut self, name: &str) -> u16 {
+        self.inner.cluster_add_peer(name)
+    }
+
+    fn cluster_remove_peer(&mut self, peer: u16) {
+        self.inner.cluster_remove_peer(peer)
+    }
+
+    fn cluster_link(&mut self, peer: u16, up: bool) {
+        self.inner.cluster_link(peer, up)
+    }
+
+    fn cluster_withdraw(&mut self) {
+        self.inner.cluster_withdraw()
+    }
+
+    fn cluster_set_writable(&mut self, peer: u16, writable: bool) {
+        self.inner.cluster_set_writable(peer, writable)
+    }
+
+    fn has_cluster_output(&self) -> bool {
+        self.inner.has_cluster_output()
+    }
+
+    fn drain_cluster<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        let mut err = None;
+        self.inner.drain_cluster(|peer, frame| {
+            if let Err(e) = list.append((peer, PyBytes::new(py, frame))) {
+                err.get_or_insert(e);
+            }
+        });
+        match err {
+            Some(e) => Err(e),
+            None => Ok(list),
+        }
+    }
+
+    fn cluster_feed(&mut self, peer: u16, data: &[u8], now_ms: u64) -> PyResult<()> {
+        self.inner
+            .cluster_feed(peer, data, now_ms)
+            .map_err(PyValueError::new_err)
+    }
+
+    fn cluster_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for (id, name, up, s) in self.inner.cluster_stats() {
+            let d = PyDict::new(py);
+            d.set_item("peer", id)?;
+            d.set_item("node_id", &*name)?;
+            d.set_item("up", up)?;
+            d.set_item("frames_out", s.frames_out)?;
+            d.set_item("frames_in", s.frames_in)?;
+            d.set_item("messages_out", s.messages_out)?;
+            d.set_item("messages_in", s.messages_in)?;
+            d.set_item("bytes_out", s.bytes_out)?;
+            d.set_item("bytes_in", s.bytes_in)?;
+            d.set_item("resent", s.resent)?;
+            d.set_item("dropped", s.dropped)?;
+            d.set_item("route_rows", s.rows)?;
+            d.set_item("unacked_bytes", s.unacked_bytes)?;
+            list.append(d)?;
+        }
+        Ok(list)
+    }
+
+    fn cluster_local_rows(&self) -> usize {
+        self.inner.cluster_local_rows()
+    }
+
     fn set_wall_clock(&mut self, wall_ms: u64, now_ms: u64) {
         self.inner.set_wall_clock(wall_ms, now_ms)
     }

@@ -30,6 +30,7 @@ class Server:
     connection_rate: float
     sockets_refused: int
     close_linger: float
+    cluster_output: Callable[[list[tuple[int, bytes]]], Any] | None
     def __init__(
         self,
         engine: Any,

@@ -222,7 +222,7 @@ async def run_server(
     # A passing copy of a plain connection's details: logging keeps no dict per connection.
     server.access_handler = access_log.hook(lambda conn: server.conn_info(conn, False))
     # Before serving clients: a cluster or admin port in use stops the broker at startup.
-    cluster = await start_cluster(config, loop)
+    cluster = await start_cluster(config, loop, engine, server)
     try:
         admin = await start_admin(
             config,
@@ -273,12 +273,13 @@ async def run_server(
     listener.close()
     if admin is not None:
         await admin.stop()
-    if cluster is not None:
-        await cluster.stop()
     sys_topics.stop()
     heap_trimmer.stop()
     memory_guard.stop()
     await close_connections(server)
+    if cluster is not None:
+        # After the connections: the wills their ends publish still reach the other nodes.
+        await cluster.stop()
     if auth is not None:
         await auth.stop()
     server.stop_ticking()
@@ -331,15 +332,18 @@ def cluster_secret(config: Config) -> str:
     return secret
 
 
-async def start_cluster(config: Config, loop: asyncio.AbstractEventLoop) -> Any:
-    """The cluster node, or None for a standalone broker."""
+async def start_cluster(
+    config: Config, loop: asyncio.AbstractEventLoop, engine: Any = None, server: Any = None
+) -> Any:
+    """The cluster node, or None for a standalone broker. With the engine and its server, the
+    node forwards publishes between nodes (the data plane)."""
     if not config.cluster.node_id:
         return None
     # Imported here: a standalone broker loads none of the cluster code.
     from fastbroker.cluster.node import ClusterNode, ClusterStartupError
 
     settings = dataclasses.replace(config.cluster, secret=cluster_secret(config), secret_file="")
-    node = ClusterNode(settings, config.storage.data_dir, loop)
+    node = ClusterNode(settings, config.storage.data_dir, loop, engine, server)
     try:
         await node.start()
     except ClusterStartupError as error:

@@ -490,7 +490,7 @@ impl Engine {
             let will = s.will.map(Box::new);
             let sid = self.insert_session(client_id, session);
             for (filter, opts) in &s.subs {
-                self.subs.insert(filter, sid, *opts);
+                self.index_subscribe(filter, sid, *opts);
             }
             if let (Some(will), Some(at)) = (will, will_at) {
                 wills.push((sid, will, at));

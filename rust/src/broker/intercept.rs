@@ -173,6 +173,7 @@ impl Engine {
         let v5 = ack_to
             .and_then(|c| self.conn(c))
             .map_or(p.v5, |c| c.protocol == Protocol::V5);
+        let routed = matches!(verdict, Verdict::Route);
         let code = match verdict {
             Verdict::Route => {
                 if !session_same {
@@ -207,14 +208,18 @@ impl Engine {
             self.store_inbound(p.sid, p.pkid, false);
         }
         if let Some(c) = ack_to {
-            match qos {
-                QoS::AtMostOnce => {}
-                QoS::AtLeastOnce => {
-                    self.send(c, &Packet::PubAck(Engine::ack(p.pkid, code)));
+            let packet = match qos {
+                QoS::AtMostOnce => None,
+                QoS::AtLeastOnce => Some(Packet::PubAck(Engine::ack(p.pkid, code))),
+                QoS::ExactlyOnce => Some(Packet::PubRec(Engine::ack(p.pkid, code))),
+            };
+            match (packet, routed) {
+                // Held, like any routed publish, until the other nodes have it.
+                (Some(packet), true) => self.ack_publish(c, packet),
+                (Some(packet), false) => {
+                    self.send(c, &packet);
                 }
-                QoS::ExactlyOnce => {
-                    self.send(c, &Packet::PubRec(Engine::ack(p.pkid, code)));
-                }
+                (None, _) => {}
             }
         }
         if live {

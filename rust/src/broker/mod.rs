@@ -8,6 +8,9 @@
 
 pub mod acl;
 mod auth;
+mod cluster;
+#[cfg(test)]
+mod cluster_tests;
 mod config;
 mod connect;
 mod durable;
@@ -31,6 +34,7 @@ use bytes::BytesMut;
 
 pub use acl::Permissions;
 pub use auth::{AccessEvent, AuthRequest};
+pub use cluster::{PeerId, PeerStats};
 pub use config::{Config, Value};
 pub use durable::{RestoreSummary, StoreOp};
 pub use intercept::{Intercepted, Verdict};
@@ -112,6 +116,7 @@ pub struct Engine {
     quarantine: Vec<(ConnId, u64)>,
     access_events: VecDeque<auth::AccessEvent>,
     intercepted: intercept::InterceptQueue,
+    cluster: cluster::Cluster,
 }
 
 impl Engine {
@@ -147,6 +152,7 @@ impl Engine {
             quarantine: Vec::new(),
             access_events: VecDeque::new(),
             intercepted: intercept::InterceptQueue::default(),
+            cluster: cluster::Cluster::default(),
         }
     }
 
@@ -280,8 +286,9 @@ impl Engine {
         self.route(Arc::new(msg), now);
     }
 
+    /// Output for connections (`drain`) or for other nodes (`drain_cluster`).
     pub fn has_output(&self) -> bool {
-        !self.dirty.is_empty()
+        !self.dirty.is_empty() || self.has_cluster_output()
     }
 
     /// Calls `f(conn, bytes, close)` for every connection with output or a close request.
@@ -575,7 +582,7 @@ impl Engine {
             return;
         };
         for filter in session.subs.keys() {
-            self.subs.remove(filter, sid);
+            self.index_unsubscribe(filter, sid);
         }
         self.by_client.remove(&session.client_id);
         self.free_sessions.push(sid);

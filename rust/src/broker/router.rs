@@ -121,7 +121,7 @@ impl Engine {
                 let delivered = self.route(Arc::new(message_of(p, sid, now)), now);
                 self.note_publisher(id, ops_before);
                 let code = self.publish_result(v5, delivered, drops_before);
-                self.send(id, &Packet::PubAck(Engine::ack(pkid, code)));
+                self.ack_publish(id, Packet::PubAck(Engine::ack(pkid, code)));
             }
             QoS::ExactlyOnce => {
                 let pkid = p.pkid;
@@ -149,7 +149,7 @@ impl Engine {
                     }
                     self.store_inbound(sid, pkid, false);
                 }
-                self.send(id, &Packet::PubRec(Engine::ack(pkid, code)));
+                self.ack_publish(id, Packet::PubRec(Engine::ack(pkid, code)));
             }
         }
     }
@@ -296,9 +296,16 @@ impl Engine {
         }
     }
 
-    /// Delivers `msg` to every matching subscription and keeps it if retained. Returns how
-    /// many sessions it was delivered or queued to.
+    /// Delivers `msg` to every matching subscription on this node and forwards it to every
+    /// other node with one (`cluster`). Returns how many sessions and nodes it went to.
     pub(super) fn route(&mut self, msg: Arc<Message>, now: u64) -> usize {
+        let nodes = self.forward(&msg, now);
+        self.route_local(msg, now) + nodes
+    }
+
+    /// Delivers `msg` to every matching subscription on this node and keeps it if retained.
+    /// Returns how many sessions it was delivered or queued to.
+    pub(super) fn route_local(&mut self, msg: Arc<Message>, now: u64) -> usize {
         if msg.retain {
             // $SYS topics are the broker's own, republished after a restart.
             let stored = !msg.topic.starts_with(b"$SYS");

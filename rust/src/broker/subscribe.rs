@@ -64,7 +64,7 @@ impl Engine {
                 retain_handling: f.retain_handling,
                 identifier,
             };
-            let is_new = self.subs.insert(&f.filter, sid, opts);
+            let is_new = self.index_subscribe(&f.filter, sid, opts);
             self.session_mut(sid)
                 .expect("exists")
                 .subs
@@ -125,7 +125,7 @@ impl Engine {
                 .subs
                 .remove(filter)
                 .is_some();
-            self.subs.remove(filter, sid);
+            self.index_unsubscribe(filter, sid);
             // 0x11: "no subscription existed".
             codes.push(if existed { 0x00 } else { 0x11 });
         }

@@ -3,7 +3,10 @@
 //!
 //! - `wire`: the value encoding ([`Value`], [`Writer`], [`decode_with`]).
 //! - `frame`: length-prefixed frames of a kind and a value, and the [`FrameDecoder`].
+//! - `batch`: the data plane's batches (route rows, forwarded messages, acknowledgements),
+//!   one frame per peer per loop iteration, made and read by the engine.
 
+pub mod batch;
 pub mod frame;
 pub mod wire;
 

@@ -7,6 +7,6 @@
 
 pub mod envelope;
 pub mod records;
-mod wire;
+pub(crate) mod wire;
 
 pub use wire::BodyError;

@@ -29,6 +29,7 @@ from typing import Any
 import fastbroker_core
 import xxhash
 
+from fastbroker.cluster.dataplane import DATA, DataPlane
 from fastbroker.cluster.discovery import DiscoveryProvider, LocalNode, parse_discovery
 from fastbroker.cluster.partitions import PartitionMap, compute_map, moved
 from fastbroker.cluster.raft import ClusterConfig, PersistentState, Raft
@@ -142,8 +143,17 @@ class PeerView:
 
 
 class ClusterNode:
-    def __init__(self, settings: Any, data_dir: str, loop: asyncio.AbstractEventLoop) -> None:
-        """`settings` is fastbroker.config.ClusterConfig."""
+    def __init__(
+        self,
+        settings: Any,
+        data_dir: str,
+        loop: asyncio.AbstractEventLoop,
+        engine: Any = None,
+        server: Any = None,
+    ) -> None:
+        """`settings` is fastbroker.config.ClusterConfig. With the MQTT `engine` and its
+        connection-layer `server`, the node also carries the data plane (routes and
+        forwarded messages); without, only membership."""
         self.settings = settings
         self.loop = loop
         self.node_id: str = settings.node_id
@@ -187,6 +197,12 @@ class ClusterNode:
         )
         # Peers ping every heartbeat: a link silent this long is half-open (peer gone).
         self.transport.idle_timeout_s = settings.failure_timeout_ms / 1000
+        self.dataplane: DataPlane | None = None
+        if engine is not None and server is not None:
+            self.dataplane = DataPlane(engine, server, self.transport)
+            self.transport.on_peer_up = self.dataplane.link_up
+            self.transport.on_peer_down = self.dataplane.link_down
+            self.transport.on_writable = self.dataplane.writable
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -589,6 +605,8 @@ class ClusterNode:
     async def leave(self, timeout_s: float = 10.0) -> bool:
         """Asks the leader to remove this node; True once the agreed map no longer has it."""
         self.leaving = True
+        if self.dataplane is not None:
+            self.dataplane.withdraw()
         deadline = self.loop.time() + timeout_s
         while self.loop.time() < deadline and not self.left.is_set():
             raft = self.raft
@@ -622,6 +640,10 @@ class ClusterNode:
     # -- messages --------------------------------------------------------------------------
 
     def on_message(self, sender: str, kind: int, value: Any) -> None:
+        if kind == DATA:
+            if self.dataplane is not None:
+                self.dataplane.receive(sender, value)
+            return
         now = monotonic_ms()
         raft = self.raft
         if raft is None:
@@ -758,4 +780,5 @@ class ClusterNode:
             "pending_change": latest != config,
             "members": members,
             "links": self.transport.stats(),
+            "data_plane": self.dataplane.stats() if self.dataplane is not None else {},
         }

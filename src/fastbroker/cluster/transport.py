@@ -16,6 +16,10 @@ Handshake, both sides at once (no round trip is wasted waiting for the other):
 The handshake authenticates the peer; the frames after it are neither encrypted nor signed,
 so links must run on a network an attacker cannot sit in the middle of (TLS for links is
 future work).
+
+After the handshake a link carries the control plane's frames (Raft, pings, joins: values
+encoded here) and the data plane's batches (kind DATA: whole frames made by the engine,
+written as they are, see fastbroker.cluster.dataplane).
 A refusal is sent as REJECT {reason} before closing, so the other side logs why.
 
 Two nodes may dial each other at the same moment; the link dialled by the node with the
@@ -44,9 +48,11 @@ logger = logging.getLogger("fastbroker.cluster.transport")
 
 MAGIC = "fastbroker-cluster"
 # The inter-node protocol versions this build speaks. A node of the next release speaks
-# [1, 2] and talks 1 with this one, which lets a cluster run mixed during a rolling upgrade.
-PROTOCOL_MIN = 1
-PROTOCOL_MAX = 1
+# [2, 3] and talks 2 with this one, which lets a cluster run mixed during a rolling upgrade.
+# Version 2 added the data plane (routes and forwarded messages): a version 1 node, which
+# cannot carry them, is refused at handshake.
+PROTOCOL_MIN = 2
+PROTOCOL_MAX = 2
 
 # Frame kinds. 0-15 are the link's own; the node's messages start at 16.
 HELLO = 1
@@ -59,11 +65,18 @@ HANDSHAKE_TIMEOUT_S = 5.0
 MAX_UNAUTHENTICATED_BYTES = 64 * 1024
 # Links still in their handshake; more are refused, so a connection flood stays cheap.
 MAX_HANDSHAKING = 128
-# A peer that announces a bigger frame is broken or hostile; control frames are small.
-MAX_FRAME = 16 * 1024 * 1024
-# Above this many bytes waiting in the socket buffer, further frames to that peer are
+# A peer that announces a bigger frame is broken or hostile. Control frames are small; a data
+# batch holds at most one MQTT packet (256 MiB at most) past 1 MiB. A stranger cannot send
+# one: before the handshake completes a link takes MAX_UNAUTHENTICATED_BYTES at most.
+MAX_FRAME = 320 * 1024 * 1024 + 1024
+# Above this many bytes waiting in the socket buffer, further control frames to that peer are
 # dropped (control-plane messages are all retried); a stuck peer cannot eat the memory.
 WRITE_HIGH_WATER = 8 * 1024 * 1024
+# The data plane stops writing to a link above this (the engine keeps its batches, see
+# fastbroker.cluster.dataplane) and goes on below the low mark: control frames never queue
+# behind more than this.
+DATA_HIGH_WATER = 4 * 1024 * 1024
+DATA_LOW_WATER = 1024 * 1024
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 2.0
 
@@ -156,6 +169,7 @@ class Link(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, hence the cast.
         self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(high=DATA_HIGH_WATER, low=DATA_LOW_WATER)
         owner = self.owner
         owner.handshaking += 1
         self.counted = True
@@ -196,6 +210,14 @@ class Link(asyncio.Protocol):
                 self.owner.deliver(self, kind, value)
             else:
                 self.handshake_step(kind, value)
+
+    def pause_writing(self) -> None:
+        if self.up:
+            self.owner.link_writable(self, False)
+
+    def resume_writing(self) -> None:
+        if self.up:
+            self.owner.link_writable(self, True)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -329,6 +351,18 @@ class Link(asyncio.Protocol):
             self.transport.write(data)
         self.pending.clear()
 
+    def write_frames(self, data: bytes, frames: int) -> None:
+        """Writes frames made elsewhere (the engine's data batches) after what is queued."""
+        if self.closed or self.transport is None:
+            return
+        if self.pending:
+            self.flush()
+        self.bytes_out += len(data)
+        self.frames_out += frames
+        self.traffic.bytes_out += len(data)
+        self.traffic.frames_out += frames
+        self.transport.write(data)
+
     def send_now(self, kind: int, value: Any) -> None:
         if self.transport is not None and not self.closed:
             data = fastbroker_core.encode_frame(kind, value)
@@ -366,6 +400,7 @@ class Transport:
         on_message: MessageHandler,
         on_peer_up: Callable[[str], None] | None = None,
         on_peer_down: Callable[[str], None] | None = None,
+        on_writable: Callable[[str, bool], None] | None = None,
         protocol_max: int = PROTOCOL_MAX,
     ) -> None:
         self.loop = loop
@@ -376,6 +411,7 @@ class Transport:
         self.on_message = on_message
         self.on_peer_up = on_peer_up
         self.on_peer_down = on_peer_down
+        self.on_writable = on_writable
         # Tests set a higher max to check negotiation between versions.
         self.protocol_max = protocol_max
         self.links: dict[str, Link] = {}
@@ -504,6 +540,11 @@ class Transport:
                 logger.info("link to %s down", peer)
             if self.on_peer_down is not None:
                 self.on_peer_down(peer)
+
+    def link_writable(self, link: Link, writable: bool) -> None:
+        peer = link.peer_id
+        if peer is not None and self.links.get(peer) is link and self.on_writable is not None:
+            self.on_writable(peer, writable)
 
     def deliver(self, link: Link, kind: int, value: Any) -> None:
         peer = link.peer_id

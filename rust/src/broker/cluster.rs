@@ -1,0 +1,756 @@
+//! The cluster part of the engine, beside `router`: which other nodes want which topics
+//! (route rows), forwarding publishes to them, and taking in what they forward.
+//!
+//! - **Route rows are owned by the node whose sessions subscribed.** A node announces each
+//!   filter its sessions hold (persistent offline sessions included) once, however many
+//!   sessions share it, versioned: every add or remove is one version more, and a snapshot
+//!   of all rows goes to a peer whenever its link comes up. Remote rows live in a
+//!   `SubscriptionIndex` keyed by peer, like local ones by session: a publish is forwarded
+//!   at most once to each node with a matching row, never to a node without one. Rows of a
+//!   peer whose link is down stay (its persistent sessions still want their messages) until
+//!   the caller removes the peer.
+//! - **Batches.** What goes to one peer between two `drain_cluster` calls is one batch of
+//!   bytes (`crate::cluster::batch`); what comes from a peer is fed the same way. Nothing
+//!   per message reaches the caller on either side.
+//! - **Nothing acknowledged is lost on a link.** Batches holding QoS 1/2 or retained
+//!   messages or route rows are numbered and kept until the peer acknowledges them (the
+//!   receiver acknowledges once its store operations for them are written, see
+//!   `Server.flush`); after a reconnect the unacknowledged ones are sent again, and the
+//!   receiver skips numbers it has already applied, so QoS 2 is never delivered twice.
+//!   QoS 0 is sent once, and dropped when the link is down or full, like QoS 0 to a slow
+//!   subscriber.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::router::forwarded_props;
+use super::state::{Message, SessionId};
+use super::{ConnId, Engine};
+use crate::cluster::batch::{self, Batch, Header, Item, ItemWriter, WireMessage};
+use crate::codec::{self, Packet, QoS};
+use crate::topics::{self, SubOpts, SubscriptionIndex};
+
+/// A peer node, as numbered by the caller's `cluster_add_peer`.
+pub type PeerId = u16;
+
+/// Origin of a message forwarded by another node: it is routed here, never forwarded again.
+pub const REMOTE_ORIGIN: SessionId = u32::MAX - 1;
+
+/// Reliable batches kept for one peer until it acknowledges them; past this the oldest are
+/// dropped (and counted) rather than memory growing without bound.
+const MAX_UNACKED_BYTES: usize = 256 << 20;
+/// QoS 0 batches waiting for a full link, at most; older ones are dropped past it.
+const MAX_WAITING_QOS0_BYTES: usize = 8 << 20;
+/// A batch is closed once its items reach this size, so frames stay small enough to
+/// interleave with the control plane's and to decode in one go.
+const SEAL_ABOVE: usize = 1 << 20;
+
+/// Counters of one peer's data-plane traffic, for metrics and `cluster status`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PeerStats {
+    pub frames_out: u64,
+    pub frames_in: u64,
+    pub messages_out: u64,
+    pub messages_in: u64,
+    pub bytes_out: u64,
+    pub bytes_in: u64,
+    /// Batches sent again after a reconnect.
+    pub resent: u64,
+    /// QoS 0 messages dropped because the link was down or full, and reliable batches
+    /// dropped past the unacknowledged bound.
+    pub dropped: u64,
+    /// Route rows held for this peer.
+    pub rows: u64,
+    /// Bytes of batches not yet acknowledged (sent or waiting for the link).
+    pub unacked_bytes: u64,
+}
+
+/// A closed batch: reliable ones (`seq` > 0) stay until acknowledged, QoS 0 ones until
+/// sent.
+struct Outgoing {
+    seq: u64,
+    frame: Vec<u8>,
+    sent: bool,
+}
+
+struct Peer {
+    name: Arc<str>,
+    /// The link is up and may take more bytes now.
+    up: bool,
+    writable: bool,
+    /// The filters this peer's sessions hold, and which version of them (in the peer's
+    /// incarnation `rows_epoch`) is applied here.
+    rows: HashSet<Arc<str>>,
+    rows_epoch: u64,
+    rows_version: u64,
+    /// Items for the next batch; `reliable` once one of them must not be lost.
+    items: ItemWriter,
+    item_messages: u64,
+    reliable: bool,
+    out: VecDeque<Outgoing>,
+    unacked_bytes: usize,
+    waiting_qos0_bytes: usize,
+    next_seq: u64,
+    /// The last of our reliable batches the peer has acknowledged.
+    acked_seq: u64,
+    /// The peer's incarnation and the last of its reliable batches applied here.
+    recv_epoch: u64,
+    recv_seq: u64,
+    ack_due: bool,
+    stats: PeerStats,
+}
+
+impl Peer {
+    fn new(name: Arc<str>) -> Peer {
+        Peer {
+            name,
+            up: false,
+            writable: true,
+            rows: HashSet::new(),
+            rows_epoch: 0,
+            rows_version: 0,
+            items: ItemWriter::default(),
+            item_messages: 0,
+            reliable: false,
+            out: VecDeque::new(),
+            unacked_bytes: 0,
+            waiting_qos0_bytes: 0,
+            next_seq: 1,
+            acked_seq: 0,
+            recv_epoch: 0,
+            recv_seq: 0,
+            ack_due: false,
+            stats: PeerStats::default(),
+        }
+    }
+
+    fn can_send(&self) -> bool {
+        self.up && self.writable
+    }
+
+    /// Closes the batch being written (if it has items or an acknowledgement is due) into
+    /// the outgoing queue.
+    fn seal(&mut self, epoch: u64) {
+        if self.items.is_empty() && !self.ack_due {
+            return;
+        }
+        let seq = if self.reliable {
+            self.next_seq += 1;
+            self.next_seq - 1
+        } else {
+            0
+        };
+        let frame = self.items.finish(Header {
+            epoch,
+            seq,
+            ack_epoch: self.recv_epoch,
+            ack_seq: self.recv_seq,
+        });
+        self.ack_due = false;
+        self.reliable = false;
+        self.stats.messages_out += self.item_messages;
+        if seq == 0 {
+            self.waiting_qos0_bytes += frame.len();
+        } else {
+            self.unacked_bytes += frame.len();
+        }
+        self.out.push_back(Outgoing {
+            seq,
+            frame,
+            sent: false,
+        });
+        self.item_messages = 0;
+        self.bound_queue();
+    }
+
+    /// Drops what must go past the bounds: QoS 0 batches waiting for a full link, then the
+    /// oldest reliable ones (both counted).
+    fn bound_queue(&mut self) {
+        while self.waiting_qos0_bytes > MAX_WAITING_QOS0_BYTES {
+            let Some(i) = self.out.iter().position(|o| o.seq == 0 && !o.sent) else {
+                break;
+            };
+            let o = self.out.remove(i).expect("found");
+            self.waiting_qos0_bytes -= o.frame.len();
+            self.stats.dropped += 1;
+        }
+        while self.unacked_bytes > MAX_UNACKED_BYTES {
+            let Some(i) = self.out.iter().position(|o| o.seq != 0) else {
+                break;
+            };
+            let o = self.out.remove(i).expect("found");
+            self.unacked_bytes -= o.frame.len();
+            self.stats.dropped += 1;
+        }
+        self.stats.unacked_bytes = self.unacked_bytes as u64;
+    }
+
+    /// Sends every queued frame not sent yet, in order; QoS 0 ones are then forgotten.
+    fn send_queued(&mut self, id: PeerId, f: &mut impl FnMut(PeerId, &[u8])) {
+        if !self.can_send() {
+            return;
+        }
+        for o in self.out.iter_mut().filter(|o| !o.sent) {
+            o.sent = true;
+            self.stats.frames_out += 1;
+            self.stats.bytes_out += o.frame.len() as u64;
+            f(id, &o.frame);
+            if o.seq == 0 {
+                self.waiting_qos0_bytes -= o.frame.len();
+            }
+        }
+        self.out.retain(|o| o.seq != 0 || !o.sent);
+    }
+
+    /// The peer has applied our reliable batches up to `seq`.
+    fn acknowledged(&mut self, seq: u64) {
+        self.acked_seq = self.acked_seq.max(seq);
+        while self
+            .out
+            .front()
+            .is_some_and(|o| o.seq != 0 && o.seq <= seq && o.sent)
+        {
+            let done = self.out.pop_front().expect("checked");
+            self.unacked_bytes -= done.frame.len();
+        }
+        self.stats.unacked_bytes = self.unacked_bytes as u64;
+    }
+}
+
+/// A PUBACK or PUBREC held until the peers the message was forwarded to have it.
+struct HeldAck {
+    conn: ConnId,
+    serial: u64,
+    packet: Packet,
+    /// (peer, batch) pairs still to be acknowledged.
+    waits: Vec<(PeerId, u64)>,
+}
+
+#[derive(Default)]
+pub(super) struct Cluster {
+    /// This process's incarnation (0: the cluster part is off).
+    epoch: u64,
+    peers: Vec<Option<Peer>>,
+    /// Remote route rows: which peers have subscribers for which filters.
+    routes: SubscriptionIndex<PeerId>,
+    /// Local sessions per filter: a row is announced when the first subscribes and
+    /// withdrawn when the last goes.
+    local_filters: HashMap<Arc<str>, u32>,
+    route_version: u64,
+    /// Some batch or acknowledgement waits for `drain_cluster`.
+    has_output: bool,
+    scratch_peers: Vec<(PeerId, SubOpts)>,
+    scratch_item: Vec<u8>,
+    scratch_props: Vec<u8>,
+    /// The (peer, batch) pairs the last `forward` put a reliable message in, on links up.
+    waits: Vec<(PeerId, u64)>,
+    held_acks: VecDeque<HeldAck>,
+}
+
+impl Cluster {
+    fn peer_mut(&mut self, id: PeerId) -> Option<&mut Peer> {
+        self.peers.get_mut(usize::from(id)).and_then(Option::as_mut)
+    }
+
+    fn each_up_peer(&mut self, mut f: impl FnMut(&mut Peer)) {
+        for peer in self.peers.iter_mut().flatten() {
+            if peer.up {
+                f(peer);
+            }
+        }
+    }
+
+    fn queue_snapshot(&mut self, id: PeerId) {
+        let version = self.route_version;
+        let filters: Vec<Arc<str>> = self.local_filters.keys().cloned().collect();
+        if let Some(peer) = self.peers.get_mut(usize::from(id)).and_then(Option::as_mut) {
+            peer.items
+                .route_snapshot(version, filters.iter().map(|f| &**f));
+            peer.reliable = true;
+            self.has_output = true;
+        }
+    }
+
+    /// A filter of a local session was added (`added`) or its last one removed: tells every
+    /// connected peer. Peers not connected get a snapshot when they are.
+    fn local_row_changed(&mut self, filter: &str, added: bool) {
+        self.route_version += 1;
+        let version = self.route_version;
+        let mut any = false;
+        self.each_up_peer(|peer| {
+            if added {
+                peer.items.route_add(version, filter);
+            } else {
+                peer.items.route_remove(version, filter);
+            }
+            peer.reliable = true;
+            any = true;
+        });
+        self.has_output |= any;
+    }
+
+    fn set_rows(&mut self, id: PeerId, filters: &[&str]) {
+        let Some(peer) = self.peers.get_mut(usize::from(id)).and_then(Option::as_mut) else {
+            return;
+        };
+        let old = std::mem::take(&mut peer.rows);
+        for f in &old {
+            self.routes.remove(f, id);
+        }
+        let mut rows = HashSet::with_capacity(filters.len());
+        for &f in filters {
+            if rows.insert(Arc::<str>::from(f)) {
+                self.routes.insert(f, id, route_opts());
+            }
+        }
+        let peer = self.peer_mut(id).expect("checked");
+        peer.stats.rows = rows.len() as u64;
+        peer.rows = rows;
+    }
+
+    fn add_row(&mut self, id: PeerId, filter: &str) {
+        let Some(peer) = self.peer_mut(id) else { return };
+        if peer.rows.insert(Arc::from(filter)) {
+            peer.stats.rows += 1;
+            self.routes.insert(filter, id, route_opts());
+        }
+    }
+
+    fn remove_row(&mut self, id: PeerId, filter: &str) {
+        let Some(peer) = self.peer_mut(id) else { return };
+        if peer.rows.remove(filter) {
+            peer.stats.rows -= 1;
+            self.routes.remove(filter, id);
+        }
+    }
+}
+
+/// Options of a remote row: only the peer matters, delivery options are the subscriber's,
+/// applied where it is.
+fn route_opts() -> SubOpts {
+    SubOpts {
+        qos: QoS::ExactlyOnce,
+        no_local: false,
+        retain_as_published: true,
+        retain_handling: 0,
+        identifier: 0,
+    }
+}
+
+/// Whether a filter is announced to other nodes. Shared subscriptions stay on their node for
+/// now: forwarding them needs one member picked cluster-wide.
+fn announced(filter: &str) -> bool {
+    topics::split_shared(filter).is_none()
+}
+
+impl Engine {
+    /// Turns the cluster part on with this process's incarnation (non-zero, random per
+    /// start): peers tell batches of an earlier run of this node from this one's by it.
+    pub fn cluster_start(&mut self, epoch: u64) {
+        self.cluster.epoch = epoch.max(1);
+    }
+
+    /// The number of peer `name`, added if new (the same number for the same name).
+    pub fn cluster_add_peer(&mut self, name: &str) -> PeerId {
+        let c = &mut self.cluster;
+        if let Some(i) = c
+            .peers
+            .iter()
+            .position(|p| p.as_ref().is_some_and(|p| &*p.name == name))
+        {
+            return i as PeerId;
+        }
+        let peer = Peer::new(Arc::from(name));
+        match c.peers.iter().position(Option::is_none) {
+            Some(i) => {
+                c.peers[i] = Some(peer);
+                i as PeerId
+            }
+            None => {
+                c.peers.push(Some(peer));
+                (c.peers.len() - 1) as PeerId
+            }
+        }
+    }
+
+    /// Forgets a peer that left the cluster: its rows and everything queued for it.
+    pub fn cluster_remove_peer(&mut self, id: PeerId) {
+        let c = &mut self.cluster;
+        c.set_rows(id, &[]);
+        if let Some(slot) = c.peers.get_mut(usize::from(id)) {
+            *slot = None;
+        }
+        self.release_acks();
+    }
+
+    /// The link to `id` came up (`up`) or went down. Up: batches not acknowledged are sent
+    /// again, then a snapshot of our rows.
+    pub fn cluster_link(&mut self, id: PeerId, up: bool) {
+        let c = &mut self.cluster;
+        let Some(peer) = c.peer_mut(id) else { return };
+        peer.up = up;
+        peer.writable = true;
+        if up {
+            for o in &mut peer.out {
+                if o.sent {
+                    o.sent = false;
+                    peer.stats.resent += 1;
+                }
+            }
+            c.queue_snapshot(id);
+        } else {
+            // QoS 0 is not kept for a link that is down.
+            let before = peer.out.len();
+            peer.out.retain(|o| o.seq != 0);
+            peer.stats.dropped += (before - peer.out.len()) as u64;
+            peer.waiting_qos0_bytes = 0;
+        }
+        self.cluster.has_output = true;
+        if !up {
+            // A down peer never stalls publishers: its messages wait in the queue for it.
+            self.release_acks();
+        }
+    }
+
+    /// The link's write buffer went over (false) or back under (true) its high mark.
+    pub fn cluster_set_writable(&mut self, id: PeerId, writable: bool) {
+        if let Some(peer) = self.cluster.peer_mut(id) {
+            peer.writable = writable;
+            if writable {
+                self.cluster.has_output = true;
+            }
+        }
+    }
+
+    pub fn has_cluster_output(&self) -> bool {
+        self.cluster.has_output
+    }
+
+    /// Calls `f(peer, frame)` with every frame due to a peer whose link can take it, in
+    /// order: batches waiting since the link was down or full, then this iteration's.
+    pub fn drain_cluster(&mut self, mut f: impl FnMut(PeerId, &[u8])) {
+        let c = &mut self.cluster;
+        c.has_output = false;
+        let epoch = c.epoch;
+        for (i, slot) in c.peers.iter_mut().enumerate() {
+            let Some(peer) = slot.as_mut() else { continue };
+            if !peer.up {
+                // A down link's QoS 0 is dropped; its reliable batches wait for it.
+                peer.stats.dropped += if peer.reliable { 0 } else { peer.item_messages };
+                if !peer.reliable {
+                    peer.items = ItemWriter::default();
+                    peer.item_messages = 0;
+                    peer.ack_due = false;
+                }
+            }
+            peer.seal(epoch);
+            peer.send_queued(i as PeerId, &mut f);
+        }
+    }
+
+    /// A batch from peer `id` (the value of its DATA frame). The whole batch is checked
+    /// before any of it is applied: a malformed one is an error and changes nothing (the
+    /// caller drops the link).
+    pub fn cluster_feed(&mut self, id: PeerId, data: &[u8], now: u64) -> Result<(), String> {
+        self.last_now = now;
+        let batch = Batch::decode(data).map_err(|e| e.0)?;
+        let items = batch.items().map_err(|e| e.0)?;
+        let mut messages = Vec::new();
+        for item in &items {
+            match item {
+                Item::RouteSnapshot { filters, .. } => {
+                    if let Some(f) = filters.iter().find(|f| !topics::valid_filter(f)) {
+                        return Err(format!("invalid route filter {f:?}"));
+                    }
+                }
+                Item::RouteAdd { filter, .. } | Item::RouteRemove { filter, .. } => {
+                    if !topics::valid_filter(filter) {
+                        return Err(format!("invalid route filter {filter:?}"));
+                    }
+                }
+                Item::Message(m) => messages.push(message_from_wire(m, now)?),
+                Item::Resync => {}
+            }
+        }
+        let h = batch.header;
+        let c = &mut self.cluster;
+        let own_epoch = c.epoch;
+        let Some(peer) = c.peer_mut(id) else {
+            return Err(format!("unknown peer {id}"));
+        };
+        peer.stats.frames_in += 1;
+        peer.stats.bytes_in += data.len() as u64;
+        if h.ack_epoch == own_epoch && h.ack_seq > peer.acked_seq {
+            peer.acknowledged(h.ack_seq);
+            if !c.held_acks.is_empty() {
+                self.release_acks();
+            }
+        }
+        let c = &mut self.cluster;
+        if h.seq != 0 {
+            let peer = c.peer_mut(id).expect("checked");
+            if h.epoch != peer.recv_epoch {
+                // The peer restarted: its numbering starts again.
+                peer.recv_epoch = h.epoch;
+                peer.recv_seq = 0;
+            }
+            peer.ack_due = true;
+            c.has_output = true;
+            let peer = c.peer_mut(id).expect("checked");
+            if h.seq <= peer.recv_seq {
+                // Sent again after a reconnect, and applied before: acknowledged again only.
+                return Ok(());
+            }
+            peer.recv_seq = h.seq;
+        }
+        let peer = c.peer_mut(id).expect("checked");
+        peer.stats.messages_in += messages.len() as u64;
+        let mut messages = messages.into_iter();
+        for item in items {
+            let c = &mut self.cluster;
+            match item {
+                Item::RouteSnapshot { version, filters } => {
+                    let peer = c.peer_mut(id).expect("checked");
+                    if h.epoch != peer.rows_epoch || version >= peer.rows_version {
+                        peer.rows_epoch = h.epoch;
+                        peer.rows_version = version;
+                        c.set_rows(id, &filters);
+                    }
+                }
+                Item::RouteAdd { version, filter } | Item::RouteRemove { version, filter } => {
+                    let add = matches!(item, Item::RouteAdd { .. });
+                    let peer = c.peer_mut(id).expect("checked");
+                    if h.epoch != peer.rows_epoch || version > peer.rows_version + 1 {
+                        // A gap: rows of this peer were missed. Ask for all of them.
+                        peer.items.resync();
+                        peer.reliable = true;
+                        c.has_output = true;
+                    } else if version == peer.rows_version + 1 {
+                        peer.rows_version = version;
+                        if add {
+                            c.add_row(id, filter);
+                        } else {
+                            c.remove_row(id, filter);
+                        }
+                    }
+                    // Older versions are stale: never applied, so a late update cannot
+                    // bring back a removed row.
+                }
+                Item::Resync => c.queue_snapshot(id),
+                Item::Message(_) => {
+                    let msg = messages.next().expect("one per message item");
+                    self.route_local(Arc::new(msg), now);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Forwards a message routed here to every peer with a matching row (retained ones to
+    /// every peer: each node holds the full retained set). Returns how many peers.
+    pub(super) fn forward(&mut self, msg: &Message, now: u64) -> usize {
+        let c = &mut self.cluster;
+        c.waits.clear();
+        if c.epoch == 0 || msg.origin == REMOTE_ORIGIN || msg.topic.starts_with(b"$SYS") {
+            return 0;
+        }
+        let mut targets = std::mem::take(&mut c.scratch_peers);
+        targets.clear();
+        if msg.retain {
+            for (i, peer) in c.peers.iter().enumerate() {
+                if peer.is_some() {
+                    targets.push((i as PeerId, route_opts()));
+                }
+            }
+        } else {
+            let mut shared = Vec::new();
+            c.routes.lookup(&msg.topic, &mut targets, &mut shared);
+            targets.sort_unstable_by_key(|(p, _)| *p);
+            targets.dedup_by_key(|(p, _)| *p);
+        }
+        if targets.is_empty() {
+            c.scratch_peers = targets;
+            return 0;
+        }
+        let mut props = std::mem::take(&mut c.scratch_props);
+        props.clear();
+        if let Some(p) = msg.props.as_deref() {
+            codec::encode_properties(p, &mut props).expect("routed properties encode");
+        }
+        let mut item = std::mem::take(&mut c.scratch_item);
+        item.clear();
+        batch::encode_message(
+            &WireMessage {
+                topic: &msg.topic,
+                payload: &msg.payload,
+                qos: msg.qos as u8,
+                retain: msg.retain,
+                expires_in_ms: msg.expires_at.map(|t| t.saturating_sub(now)),
+                props: &props,
+            },
+            &mut item,
+        );
+        let reliable = msg.qos != QoS::AtMostOnce || msg.retain;
+        let epoch = c.epoch;
+        for &(id, _) in &targets {
+            if let Some(peer) = c.peers.get_mut(usize::from(id)).and_then(Option::as_mut) {
+                peer.items.raw_item(&item);
+                peer.item_messages += 1;
+                peer.reliable |= reliable;
+                if reliable && peer.up {
+                    // The batch being written gets this number when it is sealed.
+                    c.waits.push((id, peer.next_seq));
+                }
+                if peer.items.len() >= SEAL_ABOVE {
+                    peer.seal(epoch);
+                }
+            }
+        }
+        c.has_output = true;
+        let n = targets.len();
+        c.scratch_peers = targets;
+        c.scratch_item = item;
+        c.scratch_props = props;
+        n
+    }
+
+    /// Sends the PUBACK or PUBREC of a publish just routed, or, if `forward` put it in
+    /// batches to peers that are up, holds it until they have it: acknowledged means kept
+    /// on every node that must deliver it (and a retained message readable there).
+    pub(super) fn ack_publish(&mut self, id: ConnId, packet: Packet) {
+        if self.cluster.waits.is_empty() {
+            self.send(id, &packet);
+            return;
+        }
+        let Some(serial) = self.conn(id).map(|c| c.serial) else {
+            return;
+        };
+        let waits = self.cluster.waits.clone();
+        self.cluster.waits.clear();
+        self.cluster.held_acks.push_back(HeldAck {
+            conn: id,
+            serial,
+            packet,
+            waits,
+        });
+    }
+
+    /// Sends the held acknowledgements whose peers all have their messages (or are down).
+    fn release_acks(&mut self) {
+        let c = &mut self.cluster;
+        let peers = &c.peers;
+        let mut ready = Vec::new();
+        c.held_acks.retain_mut(|held| {
+            held.waits.retain(|&(p, seq)| {
+                peers
+                    .get(usize::from(p))
+                    .and_then(Option::as_ref)
+                    .is_some_and(|peer| peer.up && peer.acked_seq < seq)
+            });
+            if held.waits.is_empty() {
+                ready.push((held.conn, held.serial, std::mem::replace(&mut held.packet, Packet::PingResp)));
+                false
+            } else {
+                true
+            }
+        });
+        for (conn, serial, packet) in ready {
+            if self.conn(conn).is_some_and(|c| c.serial == serial) {
+                self.send(conn, &packet);
+            }
+        }
+    }
+
+    /// Adds `sid`'s subscription to the index; a filter no local session held before
+    /// becomes a route row. Returns whether the subscription is new.
+    pub(super) fn index_subscribe(&mut self, filter: &str, sid: SessionId, opts: SubOpts) -> bool {
+        let new = self.subs.insert(filter, sid, opts);
+        if new && announced(filter) {
+            let count = self
+                .cluster
+                .local_filters
+                .entry(Arc::from(filter))
+                .or_insert(0);
+            *count += 1;
+            if *count == 1 && self.cluster.epoch != 0 {
+                self.cluster.local_row_changed(filter, true);
+            }
+        }
+        new
+    }
+
+    /// Removes `sid`'s subscription; the last one of a filter withdraws its route row.
+    pub(super) fn index_unsubscribe(&mut self, filter: &str, sid: SessionId) -> bool {
+        let existed = self.subs.remove(filter, sid);
+        if existed && announced(filter) {
+            if let Some(count) = self.cluster.local_filters.get_mut(filter) {
+                *count -= 1;
+                if *count == 0 {
+                    self.cluster.local_filters.remove(filter);
+                    if self.cluster.epoch != 0 {
+                        self.cluster.local_row_changed(filter, false);
+                    }
+                }
+            }
+        }
+        existed
+    }
+
+    /// This node is leaving the cluster: its route rows are withdrawn from every peer.
+    pub fn cluster_withdraw(&mut self) {
+        let c = &mut self.cluster;
+        c.route_version += 1;
+        let version = c.route_version;
+        let mut any = false;
+        c.each_up_peer(|peer| {
+            peer.items.route_snapshot(version, std::iter::empty());
+            peer.reliable = true;
+            any = true;
+        });
+        c.has_output |= any;
+    }
+
+    /// Each peer's name and counters.
+    pub fn cluster_stats(&self) -> Vec<(PeerId, Arc<str>, bool, PeerStats)> {
+        self.cluster
+            .peers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| {
+                p.as_ref()
+                    .map(|p| (i as PeerId, p.name.clone(), p.up, p.stats.clone()))
+            })
+            .collect()
+    }
+
+    /// Route rows announced by this node.
+    pub fn cluster_local_rows(&self) -> usize {
+        self.cluster.local_filters.len()
+    }
+}
+
+/// A forwarded message as this node routes it. Checked like a client's publish would be:
+/// a peer cannot make us hold an invalid topic or properties.
+fn message_from_wire(m: &WireMessage<'_>, now: u64) -> Result<Message, String> {
+    if !topics::valid_topic_name(m.topic) {
+        return Err("forwarded message with an invalid topic".into());
+    }
+    let props = if m.props.is_empty() {
+        None
+    } else {
+        let p = codec::decode_properties(m.props, false)
+            .map_err(|e| format!("forwarded message with bad properties: {e:?}"))?;
+        p.into_boxed().and_then(forwarded_props)
+    };
+    Ok(Message {
+        topic: Bytes::copy_from_slice(m.topic),
+        payload: Bytes::copy_from_slice(m.payload),
+        qos: QoS::from_u8(m.qos).ok_or("forwarded message with a bad QoS")?,
+        retain: m.retain,
+        props,
+        expires_at: m.expires_in_ms.map(|ms| now.saturating_add(ms)),
+        origin: REMOTE_ORIGIN,
+    })
+}

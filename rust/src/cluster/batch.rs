@@ -1,0 +1,444 @@
+//! Data-plane batches between nodes: everything one node sends another in one loop iteration
+//! (route rows, forwarded messages, acknowledgements), as one frame of kind [`DATA_FRAME`]
+//! whose value is one byte string (so the link layer hands it over without looking inside).
+//!
+//! A batch body, little-endian (the store's record encoding, [`crate::store::wire`]):
+//!
+//! | field | type | meaning |
+//! |---|---|---|
+//! | version | u8 | [`BATCH_VERSION`] |
+//! | flags | u8 | bit 0: the items are zstd-compressed |
+//! | epoch | u64 | the sender's incarnation (random per process start) |
+//! | seq | u64 | reliable batch number from 1, or 0: not to be acknowledged (QoS 0 only) |
+//! | ack_epoch, ack_seq | u64, u64 | the receiver's reliable batches taken so far |
+//! | items | bytes | count u32, then each item: a tag u8 and its fields |
+//!
+//! Items: route rows are versioned per origin (every add or remove is one version more, a
+//! snapshot replaces all rows of its sender), so a receiver notices a gap and asks for a
+//! snapshot, and a late or replayed row never brings back a removed one. A message carries
+//! its QoS as published, the retain flag, the time left before it expires (ms) and its MQTT 5
+//! properties (the block as on the wire, empty when none).
+
+use crate::store::wire::{BodyError, Reader, Writer};
+
+use super::frame::{finish_frame, start_frame};
+use super::wire::Writer as ValueWriter;
+
+/// The frame kind of a data-plane batch (the link's own kinds are below 16, the control
+/// plane's from 16 to 31).
+pub const DATA_FRAME: u8 = 32;
+pub const BATCH_VERSION: u8 = 1;
+/// Items larger than this (uncompressed) are compressed.
+pub const COMPRESS_ABOVE: usize = 16 * 1024;
+/// A batch decompresses to at most this much: a peer cannot make us allocate more. Room for
+/// one message of MQTT's largest packet (256 MiB) behind a batch closed at 1 MiB.
+pub const MAX_BATCH: usize = 320 * 1024 * 1024;
+/// Items in one batch at most (each is a few bytes at least; this bounds the count field).
+const MAX_ITEMS: u32 = 16 * 1024 * 1024;
+
+const FLAG_ZSTD: u8 = 1;
+
+const ITEM_ROUTE_SNAPSHOT: u8 = 1;
+const ITEM_ROUTE_ADD: u8 = 2;
+const ITEM_ROUTE_REMOVE: u8 = 3;
+const ITEM_RESYNC: u8 = 4;
+const ITEM_MESSAGE: u8 = 5;
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Header {
+    pub epoch: u64,
+    pub seq: u64,
+    pub ack_epoch: u64,
+    pub ack_seq: u64,
+}
+
+/// A message as forwarded: what the receiving node needs to route it as if published there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WireMessage<'a> {
+    pub topic: &'a [u8],
+    pub payload: &'a [u8],
+    pub qos: u8,
+    pub retain: bool,
+    /// Milliseconds left before the message expires (MQTT 5 message expiry), counted down
+    /// on the sender at the moment it was batched.
+    pub expires_in_ms: Option<u64>,
+    /// MQTT 5 properties block to forward (without its length prefix), or empty.
+    pub props: &'a [u8],
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Item<'a> {
+    /// All route rows of the sender, replacing what the receiver held, at `version`.
+    RouteSnapshot { version: u64, filters: Vec<&'a str> },
+    RouteAdd { version: u64, filter: &'a str },
+    RouteRemove { version: u64, filter: &'a str },
+    /// The receiver of this asks the sender for a snapshot of its routes.
+    Resync,
+    Message(WireMessage<'a>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchError(pub String);
+
+impl std::fmt::Display for BatchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<BodyError> for BatchError {
+    fn from(e: BodyError) -> Self {
+        BatchError(format!("malformed batch: {}", e.0))
+    }
+}
+
+/// Items of one batch being written; `finish` makes the frame.
+#[derive(Default)]
+pub struct ItemWriter {
+    w: Writer,
+    count: u32,
+}
+
+impl ItemWriter {
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    pub fn len(&self) -> usize {
+        self.w.buf.len()
+    }
+
+    pub fn route_snapshot<'f>(&mut self, version: u64, filters: impl ExactSizeIterator<Item = &'f str>) {
+        self.w.u8(ITEM_ROUTE_SNAPSHOT).u64(version).u32(filters.len() as u32);
+        for f in filters {
+            self.w.bytes(f.as_bytes());
+        }
+        self.count += 1;
+    }
+
+    pub fn route_add(&mut self, version: u64, filter: &str) {
+        self.w.u8(ITEM_ROUTE_ADD).u64(version).bytes(filter.as_bytes());
+        self.count += 1;
+    }
+
+    pub fn route_remove(&mut self, version: u64, filter: &str) {
+        self.w.u8(ITEM_ROUTE_REMOVE).u64(version).bytes(filter.as_bytes());
+        self.count += 1;
+    }
+
+    pub fn resync(&mut self) {
+        self.w.u8(ITEM_RESYNC);
+        self.count += 1;
+    }
+
+    /// An already encoded item (see [`encode_message`]), so a message sent to several
+    /// peers is encoded once.
+    pub fn raw_item(&mut self, item: &[u8]) {
+        self.w.buf.extend_from_slice(item);
+        self.count += 1;
+    }
+
+    /// The whole frame of a batch with these items, ready to write to the link; the
+    /// writer is left empty.
+    pub fn finish(&mut self, header: Header) -> Vec<u8> {
+        let items = std::mem::take(&mut self.w.buf);
+        let count = std::mem::take(&mut self.count);
+        let mut plain = Writer::default();
+        plain.u32(count);
+        plain.buf.extend_from_slice(&items);
+        let (flags, body) = if plain.buf.len() > COMPRESS_ABOVE {
+            match zstd::bulk::compress(&plain.buf, 1) {
+                Ok(c) if c.len() < plain.buf.len() => (FLAG_ZSTD, c),
+                _ => (0, plain.buf),
+            }
+        } else {
+            (0, plain.buf)
+        };
+        let mut batch = Writer::default();
+        batch
+            .u8(BATCH_VERSION)
+            .u8(flags)
+            .u64(header.epoch)
+            .u64(header.seq)
+            .u64(header.ack_epoch)
+            .u64(header.ack_seq)
+            .bytes(&body);
+        let mut frame = ValueWriter::default();
+        let start = start_frame(&mut frame, DATA_FRAME);
+        frame.bytes(&batch.buf);
+        finish_frame(&mut frame, start).expect("batches stay far below 4 GiB");
+        frame.buf
+    }
+}
+
+/// One message item, encoded once for every peer it goes to.
+pub fn encode_message(m: &WireMessage<'_>, out: &mut Vec<u8>) {
+    let mut w = Writer { buf: std::mem::take(out) };
+    w.u8(ITEM_MESSAGE)
+        .u8(m.qos | (u8::from(m.retain) << 2))
+        .opt_u64(m.expires_in_ms)
+        .bytes(m.topic)
+        .bytes(m.payload)
+        .bytes(m.props);
+    *out = w.buf;
+}
+
+/// A decoded batch: its header and the items' bytes (decompressed if need be), read with
+/// [`Batch::items`].
+pub struct Batch {
+    pub header: Header,
+    items: Vec<u8>,
+}
+
+impl Batch {
+    /// Decodes the value of a [`DATA_FRAME`]. Checks the header and decompresses; the items
+    /// are checked as they are read.
+    pub fn decode(data: &[u8]) -> Result<Batch, BatchError> {
+        let mut r = Reader::new(data);
+        let version = r.u8()?;
+        if version != BATCH_VERSION {
+            return Err(BatchError(format!("unknown batch version {version}")));
+        }
+        let flags = r.u8()?;
+        if flags & !FLAG_ZSTD != 0 {
+            return Err(BatchError(format!("unknown batch flags 0x{flags:02x}")));
+        }
+        let header = Header {
+            epoch: r.u64()?,
+            seq: r.u64()?,
+            ack_epoch: r.u64()?,
+            ack_seq: r.u64()?,
+        };
+        let body = r.bytes()?;
+        r.finish()?;
+        let items = if flags & FLAG_ZSTD != 0 {
+            decompress(body, MAX_BATCH)?
+        } else {
+            body.to_vec()
+        };
+        Ok(Batch { header, items })
+    }
+
+    /// Every item, in order; the first malformed one ends the list with an error (the
+    /// items before it are still returned, the caller decides).
+    pub fn items(&self) -> Result<Vec<Item<'_>>, BatchError> {
+        let mut r = Reader::new(&self.items);
+        let count = r.u32()?;
+        if count > MAX_ITEMS {
+            return Err(BatchError(format!("{count} items in one batch")));
+        }
+        let mut items = Vec::with_capacity((count as usize).min(self.items.len()));
+        for _ in 0..count {
+            items.push(read_item(&mut r)?);
+        }
+        r.finish()?;
+        Ok(items)
+    }
+}
+
+fn decompress(body: &[u8], max: usize) -> Result<Vec<u8>, BatchError> {
+    let size = zstd::bulk::Decompressor::upper_bound(body)
+        .ok_or_else(|| BatchError("compressed batch without its size".into()))?;
+    if size > max {
+        return Err(BatchError(format!(
+            "batch of {size} bytes decompressed is over {max}"
+        )));
+    }
+    zstd::bulk::decompress(body, size)
+        .map_err(|e| BatchError(format!("bad compressed batch: {e}")))
+}
+
+fn utf8(b: &[u8]) -> Result<&str, BatchError> {
+    std::str::from_utf8(b).map_err(|_| BatchError("route filter is not UTF-8".into()))
+}
+
+fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
+    Ok(match r.u8()? {
+        ITEM_ROUTE_SNAPSHOT => {
+            let version = r.u64()?;
+            let n = r.u32()?;
+            let mut filters = Vec::new();
+            for _ in 0..n {
+                filters.push(utf8(r.bytes()?)?);
+            }
+            Item::RouteSnapshot { version, filters }
+        }
+        ITEM_ROUTE_ADD => Item::RouteAdd {
+            version: r.u64()?,
+            filter: utf8(r.bytes()?)?,
+        },
+        ITEM_ROUTE_REMOVE => Item::RouteRemove {
+            version: r.u64()?,
+            filter: utf8(r.bytes()?)?,
+        },
+        ITEM_RESYNC => Item::Resync,
+        ITEM_MESSAGE => {
+            let flags = r.u8()?;
+            if flags & !0b111 != 0 || flags & 0b11 == 3 {
+                return Err(BatchError(format!("bad message flags 0x{flags:02x}")));
+            }
+            Item::Message(WireMessage {
+                qos: flags & 0b11,
+                retain: flags & 0b100 != 0,
+                expires_in_ms: r.opt_u64()?,
+                topic: r.bytes()?,
+                payload: r.bytes()?,
+                props: r.bytes()?,
+            })
+        }
+        tag => return Err(BatchError(format!("unknown batch item 0x{tag:02x}"))),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::FrameDecoder;
+    use crate::cluster::Value;
+    use proptest::prelude::*;
+
+    fn body_of(frame: &[u8]) -> Vec<u8> {
+        let mut d = FrameDecoder::new(usize::MAX >> 1);
+        d.extend(frame);
+        let (kind, value) = d.next_raw().unwrap().unwrap();
+        assert_eq!(kind, DATA_FRAME);
+        match Value::decode(value).unwrap() {
+            Value::Bytes(b) => b,
+            other => panic!("not bytes: {other:?}"),
+        }
+    }
+
+    fn message(topic: &'static [u8], payload: &'static [u8]) -> WireMessage<'static> {
+        WireMessage {
+            topic,
+            payload,
+            qos: 1,
+            retain: true,
+            expires_in_ms: Some(1500),
+            props: b"\x03\x00\x01x",
+        }
+    }
+
+    #[test]
+    fn round_trip_of_every_item() {
+        let mut w = ItemWriter::default();
+        w.route_snapshot(7, ["a/#", "b/+/c"].into_iter());
+        w.route_add(8, "x");
+        w.route_remove(9, "a/#");
+        w.resync();
+        let mut m = Vec::new();
+        encode_message(&message(b"t/1", b"hello"), &mut m);
+        w.raw_item(&m);
+        let header = Header {
+            epoch: 1,
+            seq: 2,
+            ack_epoch: 3,
+            ack_seq: 4,
+        };
+        let batch = Batch::decode(&body_of(&w.finish(header))).unwrap();
+        assert_eq!(batch.header, header);
+        assert_eq!(
+            batch.items().unwrap(),
+            vec![
+                Item::RouteSnapshot {
+                    version: 7,
+                    filters: vec!["a/#", "b/+/c"]
+                },
+                Item::RouteAdd {
+                    version: 8,
+                    filter: "x"
+                },
+                Item::RouteRemove {
+                    version: 9,
+                    filter: "a/#"
+                },
+                Item::Resync,
+                Item::Message(message(b"t/1", b"hello")),
+            ]
+        );
+        assert!(w.is_empty());
+    }
+
+    #[test]
+    fn large_batches_are_compressed() {
+        let mut w = ItemWriter::default();
+        let mut m = Vec::new();
+        for _ in 0..1000 {
+            m.clear();
+            encode_message(&message(b"sensors/1/temperature", &[b'7'; 100]), &mut m);
+            w.raw_item(&m);
+        }
+        let plain = w.len();
+        let frame = w.finish(Header::default());
+        assert!(frame.len() < plain / 4, "{} of {plain}", frame.len());
+        let batch = Batch::decode(&body_of(&frame)).unwrap();
+        assert_eq!(batch.items().unwrap().len(), 1000);
+    }
+
+    #[test]
+    fn a_decompression_bomb_is_refused() {
+        let c = zstd::bulk::compress(&[0u8; 4096], 1).unwrap();
+        let e = decompress(&c, 1024).err().unwrap();
+        assert!(e.0.contains("over"), "{e}");
+        assert_eq!(decompress(&c, 4096).unwrap(), vec![0u8; 4096]);
+        // Without a size in the frame header.
+        assert!(decompress(b"\x28\xb5\x2f\xfd\x00\x00", 1024).is_err());
+    }
+
+    #[test]
+    fn bad_headers_and_items_are_errors() {
+        assert!(Batch::decode(b"").is_err());
+        assert!(Batch::decode(&[9]).is_err());
+        let mut w = Writer::default();
+        w.u8(BATCH_VERSION).u8(0x80).u64(0).u64(0).u64(0).u64(0).bytes(b"");
+        assert!(Batch::decode(&w.buf).is_err());
+        // A message with QoS 3.
+        let mut items = Writer::default();
+        items.u32(1).u8(ITEM_MESSAGE).u8(3).u8(0).bytes(b"t").bytes(b"").bytes(b"");
+        let mut w = Writer::default();
+        w.u8(BATCH_VERSION).u8(0).u64(0).u64(0).u64(0).u64(0).bytes(&items.buf);
+        assert!(Batch::decode(&w.buf).unwrap().items().is_err());
+        // A count larger than the items present.
+        let mut items = Writer::default();
+        items.u32(1_000_000);
+        let mut w = Writer::default();
+        w.u8(BATCH_VERSION).u8(0).u64(0).u64(0).u64(0).u64(0).bytes(&items.buf);
+        assert!(Batch::decode(&w.buf).unwrap().items().is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(data in proptest::collection::vec(any::<u8>(), 0..512)) {
+            if let Ok(batch) = Batch::decode(&data) {
+                let _ = batch.items();
+            }
+        }
+
+        #[test]
+        fn messages_round_trip(
+            topic in proptest::collection::vec(any::<u8>(), 0..64),
+            payload in proptest::collection::vec(any::<u8>(), 0..4096),
+            qos in 0u8..3,
+            retain: bool,
+            expiry in proptest::option::of(any::<u64>()),
+            seq: u64,
+        ) {
+            let m = WireMessage {
+                topic: &topic,
+                payload: &payload,
+                qos,
+                retain,
+                expires_in_ms: expiry,
+                props: b"",
+            };
+            let mut item = Vec::new();
+            encode_message(&m, &mut item);
+            let mut w = ItemWriter::default();
+            w.raw_item(&item);
+            let header = Header { epoch: 5, seq, ack_epoch: 0, ack_seq: 0 };
+            let batch = Batch::decode(&body_of(&w.finish(header))).unwrap();
+            prop_assert_eq!(batch.header, header);
+            prop_assert_eq!(batch.items().unwrap(), vec![Item::Message(m)]);
+        }
+    }
+}

@@ -1,0 +1,107 @@
+"""The cluster's data plane, between the engine and the node links: route rows and forwarded
+messages, as the engine's batches (rust/src/broker/cluster.rs).
+
+Python's part is per batch, never per message: the connection layer's flush hands over the
+frames the engine made for each peer in this loop iteration (`send`), and each DATA frame a
+peer sends is fed to the engine whole (`receive`). Link events tell the engine when a peer
+can be written to: up (unacknowledged batches go again, then a snapshot of our routes),
+down, and full or drained again (backpressure: the engine keeps the batches meanwhile).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from fastbroker._connection import monotonic_ms
+from fastbroker.cluster.transport import Transport
+
+logger = logging.getLogger("fastbroker.cluster.dataplane")
+
+# The frame kind of a data batch (fastbroker_core's cluster::batch::DATA_FRAME).
+DATA = 32
+
+
+class DataPlane:
+    def __init__(self, engine: Any, server: Any, transport: Transport) -> None:
+        self.engine = engine
+        self.server = server
+        self.transport = transport
+        # node id -> the engine's peer number, and back.
+        self.peer_ids: dict[str, int] = {}
+        self.node_ids: dict[int, str] = {}
+        # A new incarnation per start: peers tell our batches from an earlier run's by it.
+        engine.cluster_start(int.from_bytes(os.urandom(8), "big") or 1)
+        server.cluster_output = self.send
+
+    def peer(self, node_id: str) -> int:
+        peer = self.peer_ids.get(node_id)
+        if peer is None:
+            peer = self.engine.cluster_add_peer(node_id)
+            self.peer_ids[node_id] = peer
+            self.node_ids[peer] = node_id
+        return peer
+
+    def link_up(self, node_id: str) -> None:
+        self.engine.cluster_link(self.peer(node_id), True)
+        self.server.schedule_flush()
+
+    def link_down(self, node_id: str) -> None:
+        peer = self.peer_ids.get(node_id)
+        if peer is not None:
+            # Acknowledgements held for this peer go out now: a down peer stalls no one.
+            self.engine.cluster_link(peer, False)
+            self.server.schedule_flush()
+
+    def writable(self, node_id: str, writable: bool) -> None:
+        peer = self.peer_ids.get(node_id)
+        if peer is not None:
+            self.engine.cluster_set_writable(peer, writable)
+            if writable:
+                self.server.schedule_flush()
+
+    def forget(self, node_id: str) -> None:
+        """A node that left the cluster on purpose: its routes go, and what waits for it."""
+        peer = self.peer_ids.pop(node_id, None)
+        if peer is not None:
+            del self.node_ids[peer]
+            self.engine.cluster_remove_peer(peer)
+
+    def withdraw(self) -> None:
+        """This node is leaving: peers stop forwarding to it."""
+        self.engine.cluster_withdraw()
+        self.server.schedule_flush()
+
+    def receive(self, node_id: str, batch: Any) -> None:
+        link = self.transport.links.get(node_id)
+        if not isinstance(batch, bytes):
+            if link is not None:
+                link.fail("data frame without a batch")
+            return
+        try:
+            self.engine.cluster_feed(self.peer(node_id), batch, monotonic_ms())
+        except ValueError as error:
+            # Nothing of a malformed batch was applied; the peer is broken or hostile.
+            if link is not None:
+                link.fail(f"malformed data batch: {error}")
+            return
+        self.server.schedule_flush()
+
+    def send(self, frames: list[tuple[int, bytes]]) -> None:
+        """Called by the connection layer's flush, once its store batch is written: the
+        frames of this loop iteration, at most a few per peer."""
+        links = self.transport.links
+        for peer, frame in frames:
+            node_id = self.node_ids.get(peer)
+            link = links.get(node_id) if node_id is not None else None
+            if link is not None:
+                link.write_frames(frame, 1)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        stats = {}
+        for entry in self.engine.cluster_stats():
+            node_id = entry.pop("node_id")
+            entry.pop("peer")
+            stats[node_id] = entry
+        return stats

@@ -1,0 +1,373 @@
+"""One logical broker for publishing: a publish on any node of a real 3-node cluster reaches
+every matching subscriber on every node (rust/src/broker/cluster.rs, the data plane).
+
+Real node processes on loopback (tests/clusters.py), real paho clients (conftest.Client), raw
+sockets where a client must die without DISCONNECT. What arrives across nodes is compared
+with what one node delivers for the same script (differential); the inter-node counters of
+`/cluster/status` show where publishes went; links are cut with the fault-injection endpoint
+and a node is SIGKILLed in the middle of a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from types import SimpleNamespace
+from typing import Any
+
+import fastbroker_core
+import pytest
+import rawmqtt as r
+from clusters import SECRET, Cluster, Node, wait_for
+from conftest import Client
+
+from fastbroker.cluster.dataplane import DATA
+from fastbroker.cluster.transport import Transport, parse_address
+
+pytestmark = pytest.mark.timeout(180)
+
+NODES = 3
+
+
+def endpoint(node: Node) -> Any:
+    """What conftest.Client connects to."""
+    return SimpleNamespace(host=node.ip, port=node.mqtt_port)
+
+
+def links_up(node: Node, peers: list[str]) -> bool:
+    status = node.status()
+    if status is None:
+        return False
+    plane = status.get("data_plane", {})
+    return all(plane.get(p, {}).get("up") for p in peers)
+
+
+def start_cluster(cluster: Cluster, count: int) -> list[Node]:
+    """Starts every node at once (n1 founds, the others join through it) and waits until
+    the map converged and every data link is up."""
+    nodes = [cluster.start(1, wait=False)]
+    nodes += [cluster.start(i, wait=False, join=cluster.seeds(1)) for i in range(2, count + 1)]
+    ids = [n.node_id for n in nodes]
+    cluster.wait_converged(ids, 30)
+    for node in nodes:
+        others = [i for i in ids if i != node.node_id]
+        wait_for(lambda n=node, o=others: links_up(n, o), 15, "data links up", *nodes)
+    return nodes
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    with Cluster(tmp_path_factory.mktemp("routing")) as cluster:
+        yield start_cluster(cluster, NODES)
+
+
+def plane(node: Node, peer: str) -> dict[str, Any]:
+    status = node.status()
+    assert status is not None
+    return status["data_plane"][peer]
+
+
+def wait_rows(node: Node, peer: str, at_least: int) -> None:
+    wait_for(lambda: plane(node, peer)["route_rows"] >= at_least, 5, "route rows", node)
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+# ------------------------------------------------------------------ differential
+
+
+def run_script(publisher_node: Node, subscriber_nodes: list[Node], root: str) -> dict:
+    """Subscribers (spread over `subscriber_nodes`) subscribe, a publisher on
+    `publisher_node` publishes; returns what each subscriber received, in order."""
+    subscribers = [
+        ("v5-wild", 5, [(f"{root}/+/temp", 1)]),
+        ("v5-all", 5, [(f"{root}/#", 2)]),
+        ("v311-exact", 4, [(f"{root}/a/temp", 2), (f"{root}/a/#", 0)]),
+        ("v5-qos0", 5, [(f"{root}/b/temp", 0)]),
+    ]
+    clients = []
+    for i, (name, version, filters) in enumerate(subscribers):
+        node = subscriber_nodes[i % len(subscriber_nodes)]
+        client = Client(endpoint(node), client_id=unique(name), version=version)
+        client.connect()
+        for f, qos in filters:
+            client.subscribe(f, qos=qos)
+        clients.append((name, client))
+    # The route rows reach the publisher's node before it publishes.
+    for node in {*subscriber_nodes} - {publisher_node}:
+        wait_rows(publisher_node, node.node_id, 1)
+    time.sleep(0.3)
+    publisher = Client(endpoint(publisher_node), client_id=unique("pub"), version=5)
+    publisher.connect()
+    props = {"UserProperty": [("k", "v")], "ContentType": "text/plain"}
+    for i in range(30):
+        for topic, qos in ((f"{root}/a/temp", i % 3), (f"{root}/b/temp", 1), (f"{root}/c/x", 2)):
+            publisher.publish(topic, f"{i}".encode(), qos=qos, props=props if i % 5 == 0 else None)
+    publisher.disconnect()
+    received = {}
+    for name, client in clients:
+        msgs = client.drain(1.0)
+        received[name] = [
+            (
+                m.topic.split("/", 1)[1],
+                m.payload,
+                m.qos,
+                m.retain,
+                tuple(m.props.get("UserProperty", ())),
+                m.props.get("ContentType"),
+            )
+            for m in msgs
+        ]
+        client.disconnect()
+    return received
+
+
+def by_topic(received: dict) -> dict:
+    out: dict = {}
+    for name, msgs in received.items():
+        for m in msgs:
+            out.setdefault((name, m[0]), []).append(m)
+    return out
+
+
+def test_any_node_same_broker_differential(nodes):
+    n1, n2, n3 = nodes
+    single = run_script(n1, [n1], unique("diff"))
+    across = run_script(n1, [n2, n3], unique("diff"))
+    # wild: a and b; all: every topic; exact: a once (overlapping filters); qos0: b.
+    assert sum(len(v) for v in single.values()) == 60 + 90 + 30 + 30
+    # Order is per publisher and topic (MQTT's ordered topics), not across topics.
+    assert by_topic(across) == by_topic(single)
+
+
+# ------------------------------------------------------------------ retained
+
+
+def test_retained_is_readable_on_every_node_right_after_the_puback(nodes):
+    n1, n2, n3 = nodes
+    publisher = Client(endpoint(n1), client_id=unique("rpub"), version=5)
+    publisher.connect()
+    readers = {n: Client(endpoint(n), client_id=unique("rsub"), version=5) for n in (n2, n3)}
+    for reader in readers.values():
+        reader.connect()
+    root = unique("ret")
+    missing = []
+    for i in range(30):
+        topic = f"{root}/{i}"
+        # wait=True: returns once the PUBACK is in.
+        publisher.publish(topic, f"v{i}".encode(), qos=1, retain=True)
+        for node, reader in readers.items():
+            reader.subscribe(topic, qos=0)
+            got = reader.expect_one(2.0)
+            if (got.payload, got.retain) != (f"v{i}".encode(), True):
+                missing.append((i, node.node_id, got))
+    assert missing == []
+    # Deleted on one node, gone on all.
+    publisher.publish(f"{root}/0", b"", qos=1, retain=True)
+    late = Client(endpoint(n3), client_id=unique("late"), version=5)
+    late.connect()
+    late.subscribe(f"{root}/#", qos=0)
+    assert len(late.drain(0.5)) == 29
+    for c in (publisher, late, *readers.values()):
+        c.disconnect()
+
+
+# ------------------------------------------------------------------ where traffic goes
+
+
+def test_publishes_go_only_to_nodes_with_subscribers_and_once_per_node(nodes):
+    n1, n2, n3 = nodes
+    topic = unique("fan")
+    subscribers = []
+    for i in range(50):
+        c = Client(endpoint(n2), client_id=unique(f"fan{i}"), version=4)
+        c.connect()
+        c.subscribe(topic, qos=0)
+        subscribers.append(c)
+    wait_rows(n1, "n2", 1)
+    time.sleep(0.2)
+    before_n2 = plane(n2, "n1")["messages_in"]
+    before_n3 = plane(n3, "n1")["messages_in"]
+    publisher = Client(endpoint(n1), client_id=unique("fanpub"), version=5)
+    publisher.connect()
+    for i in range(20):
+        publisher.publish(topic, f"{i}".encode(), qos=1)
+    for c in subscribers:
+        assert [m.payload for m in c.expect(20, 5.0)] == [f"{i}".encode() for i in range(20)]
+    # n2 got each message once for its 50 subscribers; n3, which has none, got nothing.
+    assert plane(n2, "n1")["messages_in"] - before_n2 == 20
+    assert plane(n3, "n1")["messages_in"] - before_n3 == 0
+    for c in (publisher, *subscribers):
+        c.disconnect()
+
+
+# ------------------------------------------------------------------ wills
+
+
+def test_a_will_fires_once_on_every_node(nodes):
+    n1, n2, n3 = nodes
+    topic = unique("will")
+    watchers = []
+    for node in (n2, n3):
+        c = Client(endpoint(node), client_id=unique("watch"), version=5)
+        c.connect()
+        c.subscribe(topic, qos=1)
+        watchers.append(c)
+    wait_rows(n1, "n2", 1)
+    wait_rows(n1, "n3", 1)
+    time.sleep(0.2)
+    sock, _ = r.connect_client(
+        n1.ip, n1.mqtt_port, unique("dying"), will_topic=topic, will_payload=b"gone", will_qos=1
+    )
+    sock.close()  # no DISCONNECT: the will is published
+    for c in watchers:
+        assert [m.payload for m in c.drain(1.0)] == [b"gone"]
+        c.disconnect()
+
+
+# ------------------------------------------------------------------ faults
+
+
+def stream(publisher: Client, topic: str, qos: int, count: int, during=None) -> list[bytes]:
+    """Publishes `count` messages, each acknowledged before the next; `during(i)` runs
+    before message i. Returns the payloads acknowledged."""
+    acked = []
+    for i in range(count):
+        if during is not None:
+            during(i)
+        payload = f"{i}".encode()
+        publisher.publish(topic, payload, qos=qos, timeout=10.0)
+        acked.append(payload)
+    return acked
+
+
+@pytest.mark.parametrize("qos", [1, 2])
+def test_a_cut_link_loses_nothing_acknowledged_and_duplicates_no_qos2(nodes, qos):
+    n1, n2, _ = nodes
+    topic = unique(f"cut{qos}")
+    subscriber = Client(endpoint(n2), client_id=unique("cutsub"), version=5)
+    subscriber.connect()
+    subscriber.subscribe(topic, qos=qos)
+    wait_rows(n1, "n2", 1)
+    time.sleep(0.2)
+    publisher = Client(endpoint(n1), client_id=unique("cutpub"), version=5)
+    publisher.connect()
+    resent_before = plane(n1, "n2")["resent"]
+
+    def cut(i: int) -> None:
+        if i == 100:
+            n1.block(["n2"])
+        elif i == 250:
+            n1.block([])
+
+    acked = stream(publisher, topic, qos, 400, cut)
+    wait_for(lambda: links_up(n1, ["n2"]), 10, "the link back", n1, n2)
+    got = [m.payload for m in subscriber.drain(2.0)]
+    assert sorted(set(got), key=int) == acked, f"{len(got)} of {len(acked)}"
+    if qos == 2:
+        assert len(got) == len(set(got)), "a QoS 2 message was delivered twice"
+    # Publishes made while the link was down were kept and sent when it came back.
+    assert plane(n1, "n2")["resent"] >= resent_before
+    publisher.disconnect()
+    subscriber.disconnect()
+
+
+def test_a_node_killed_mid_stream_stalls_no_publisher(tmp_path):
+    with Cluster(tmp_path) as cluster:
+        n1, n2, n3 = start_cluster(cluster, 3)
+        topic = unique("kill")
+        subs = {}
+        for node in (n2, n3):
+            c = Client(endpoint(node), client_id=unique("ksub"), version=5)
+            c.connect()
+            c.subscribe(topic, qos=1)
+            subs[node.node_id] = c
+            wait_rows(n1, node.node_id, 1)
+        time.sleep(0.2)
+        publisher = Client(endpoint(n1), client_id=unique("kpub"), version=5)
+        publisher.connect()
+        started = time.monotonic()
+        acked = stream(publisher, topic, 1, 300, lambda i: i == 100 and n3.kill())
+        # Acknowledgements did not wait for the dead node (nor for the failure timeout).
+        assert time.monotonic() - started < 15
+        got = [m.payload for m in subs["n2"].drain(2.0)]
+        assert got == acked
+        publisher.disconnect()
+        subs["n2"].disconnect()
+
+
+def test_a_peer_sending_malformed_batches_is_dropped_and_changes_nothing(nodes):
+    """A peer that holds the secret but sends garbage as data batches (and a batch with an
+    invalid route filter) loses its link; the node logs why and keeps routing."""
+    n1, n2, _ = nodes
+    rows_before = {p: plane(n2, p)["route_rows"] for p in ("n1", "n3")}
+
+    async def hostile() -> list[str]:
+        loop = asyncio.get_running_loop()
+        downs: list[str] = []
+        ups: list[str] = []
+        transport = Transport(
+            loop,
+            node_id="hostile",
+            cluster_name="fastbroker",
+            secret=SECRET.encode(),
+            advertise="127.0.0.1:9",
+            on_message=lambda *a: None,
+            on_peer_up=ups.append,
+            on_peer_down=downs.append,
+        )
+        transport.set_targets({parse_address(n2.cluster_address)})
+        transport.maintain()
+        for payload in (b"junk", bad_route_batch()):
+            deadline = loop.time() + 5
+            while "n2" not in transport.links and loop.time() < deadline:
+                transport.maintain()
+                await asyncio.sleep(0.05)
+            transport.links["n2"].write_frames(fastbroker_core.encode_frame(DATA, payload), 1)
+            deadline = loop.time() + 5
+            while "n2" in transport.links and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+        await transport.close()
+        return downs
+
+    downs = asyncio.run(hostile())
+    assert downs == ["n2", "n2"]
+    log = n2.log()
+    assert "malformed data batch: unknown batch version" in log
+    assert "malformed data batch: invalid route filter" in log
+    assert {p: plane(n2, p)["route_rows"] for p in ("n1", "n3")} == rows_before
+    # n2 still routes what n1 forwards.
+    topic = unique("after")
+    sub = Client(endpoint(n2), client_id=unique("after"), version=5)
+    sub.connect()
+    sub.subscribe(topic, qos=1)
+    wait_rows(n1, "n2", 1)
+    pub = Client(endpoint(n1), client_id=unique("afterpub"), version=5)
+    pub.connect()
+    pub.publish(topic, b"still", qos=1)
+    assert sub.expect_one(5.0).payload == b"still"
+    pub.disconnect()
+    sub.disconnect()
+
+
+def bad_route_batch() -> bytes:
+    """A well-formed batch (version 1, no compression) with one route row that is not a
+    valid filter."""
+    filter_ = b"a/#/b"
+    item = b"\x02" + (1).to_bytes(8, "little") + len(filter_).to_bytes(4, "little") + filter_
+    items = (1).to_bytes(4, "little") + item
+    header = b"\x01\x00" + (7).to_bytes(8, "little") + (1).to_bytes(8, "little") + bytes(16)
+    return header + len(items).to_bytes(4, "little") + items
+
+
+@pytest.fixture(autouse=True)
+def _quiet_threads():
+    # paho threads of a failed test must not outlive it.
+    yield
+    for t in threading.enumerate():
+        if t.name.startswith("paho") and t.is_alive():
+            t.join(0.5)
