@@ -26,8 +26,8 @@ pytestmark = pytest.mark.timeout(60)
 
 def read_to_end(sock: socket.socket, timeout: float = 5.0, *, answer_pubrec: bool = False):
     """Every packet the broker sends until the connection ends, and how it ended: "eof",
-    "reset", "write failed" or "timeout". With ``answer_pubrec`` each PUBREC is answered with a PUBREL at
-    once, as common client libraries do."""
+    "reset", "write failed" or "timeout". With ``answer_pubrec`` each PUBREC is answered
+    with a PUBREL at once, as common client libraries do."""
     reader = r.Reader(sock)
     packets: list[r.Packet] = []
     deadline = time.monotonic() + timeout

@@ -11,6 +11,7 @@ and a node is SIGKILLed in the middle of a stream.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
 import uuid
@@ -20,6 +21,7 @@ from typing import Any
 import fastbroker_core
 import pytest
 import rawmqtt as r
+from certs import make_ca, make_leaf
 from clusters import SECRET, Cluster, Node, wait_for
 from conftest import Client
 
@@ -371,3 +373,56 @@ def _quiet_threads():
     for t in threading.enumerate():
         if t.name.startswith("paho") and t.is_alive():
             t.join(0.5)
+
+
+# ------------------------------------------------------------------ TLS links
+
+
+def test_links_over_tls_with_mutual_authentication(tmp_path):
+    """With [cluster] tls_* set, links are TLS both ways: messages cross them, and a node
+    whose certificate comes from another CA (holding the right secret) is never linked."""
+    certs = tmp_path / "certs"
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    certs.mkdir()
+    ca = make_ca(certs, "cluster-ca")
+    other_ca = make_ca(certs, "other-ca")
+    usage = (
+        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n"
+        "extendedKeyUsage=serverAuth,clientAuth\n"
+    )
+    keys = {i: make_leaf(certs, ca, f"n{i}", f"n{i}", usage) for i in (1, 2)}
+    keys[3] = make_leaf(certs, other_ca, "n3", "n3", usage)
+
+    def tls(i: int, authority) -> dict[str, str]:
+        pair = keys[i]
+        return {
+            "tls_certfile": str(pair.cert),
+            "tls_keyfile": str(pair.key),
+            "tls_cafile": str(authority.cert),
+        }
+
+    with Cluster(tmp_path / "nodes") as cluster:
+        n1 = cluster.start(1, wait=False, **tls(1, ca))
+        n2 = cluster.start(2, wait=False, join=cluster.seeds(1), **tls(2, ca))
+        n3 = cluster.start(3, wait=False, join=cluster.seeds(1), **tls(3, other_ca))
+        cluster.wait_converged(["n1", "n2"], 30, on=[n1, n2])
+        wait_for(lambda: links_up(n1, ["n2"]) and links_up(n2, ["n1"]), 15, "TLS link", n1, n2)
+        topic = unique("tls")
+        sub = Client(endpoint(n2), client_id=unique("tlssub"), version=5)
+        sub.connect()
+        sub.subscribe(topic, qos=1)
+        wait_rows(n1, "n2", 1)
+        pub = Client(endpoint(n1), client_id=unique("tlspub"), version=5)
+        pub.connect()
+        pub.publish(topic, b"secret", qos=1)
+        assert sub.expect_one(5.0).payload == b"secret"
+        status1 = n1.status()
+        assert status1 is not None and status1["links"]["n2"]["tls"] in ("TLSv1.2", "TLSv1.3")
+        # n3 holds the secret but not a certificate of the cluster's CA: never linked.
+        status3 = n3.status()
+        assert status3 is not None and not status3["member"]
+        assert status3["data_plane"] == {}
+        assert "n3" not in (n1.status() or {}).get("data_plane", {})
+        pub.disconnect()
+        sub.disconnect()

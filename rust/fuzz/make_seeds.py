@@ -276,8 +276,54 @@ def decode_seeds() -> dict[str, bytes]:
     }
 
 
+# ---- cluster_batch: data-plane batches (layout in rust/src/cluster/batch.rs) ----
+
+
+def _field(data: bytes) -> bytes:
+    return len(data).to_bytes(4, "little") + data
+
+
+def _batch(items: list[bytes], seq: int = 1, ack: int = 0) -> bytes:
+    header = b"\x01\x00" + (7).to_bytes(8, "little") + seq.to_bytes(8, "little")
+    header += (1).to_bytes(8, "little") + ack.to_bytes(8, "little")
+    return header + _field(len(items).to_bytes(4, "little") + b"".join(items))
+
+
+def _message(topic: bytes, payload: bytes, flags: int, expiry: int | None = None) -> bytes:
+    expiry_field = b"\x00" if expiry is None else b"\x01" + expiry.to_bytes(8, "little")
+    # Properties block as the codec encodes it: a user property ("k", "v").
+    props = b"\x07\x26\x00\x01k\x00\x01v"
+    body = _field(topic) + _field(payload) + _field(props)
+    return b"\x05" + bytes([flags]) + expiry_field + body
+
+
+def cluster_batch_seeds() -> dict[str, bytes]:
+    """Route rows (snapshot, add, remove, resync), messages of every QoS, retained, with
+    expiry and properties, and an acknowledgement-only batch."""
+    snapshot = b"\x01" + (1).to_bytes(8, "little") + (2).to_bytes(4, "little")
+    snapshot += _field(b"a/+/c") + _field(b"#")
+    add = b"\x02" + (2).to_bytes(8, "little") + _field(b"x/y")
+    remove = b"\x03" + (3).to_bytes(8, "little") + _field(b"#")
+    return {
+        "routes": _batch([snapshot, add, remove, b"\x04"]),
+        "messages": _batch(
+            [
+                _message(b"t/0", b"zero", 0),
+                _message(b"t/1", b"one", 1, 60_000),
+                _message(b"t/2", b"two", 2),
+                _message(b"r/1", b"kept", 0b101),
+            ]
+        ),
+        "ack_only": _batch([], seq=0, ack=3),
+    }
+
+
 def main() -> None:
-    for target, seeds in (("engine_feed", engine_seeds()), ("decode", decode_seeds())):
+    for target, seeds in (
+        ("engine_feed", engine_seeds()),
+        ("decode", decode_seeds()),
+        ("cluster_batch", cluster_batch_seeds()),
+    ):
         folder = FUZZ_DIR / "corpus" / target
         folder.mkdir(parents=True, exist_ok=True)
         for name, data in seeds.items():

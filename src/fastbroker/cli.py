@@ -193,6 +193,12 @@ def ranges(numbers: list[int]) -> str:
     return ",".join(parts) or "-"
 
 
+def print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
 @cluster.command()
 @click.option("--admin", default=DEFAULT_ADMIN, show_default=True, metavar="HOST:PORT")
 @click.option("--json", "as_json", is_flag=True, help="Print the endpoint's JSON as is.")
@@ -222,21 +228,40 @@ def status(admin: str, as_json: bool, partitions: bool) -> None:
         f"asked node {data['node_id']}: {raft.get('role')}, term {raft.get('term')}, "
         f"leader {data.get('leader') or 'unknown'}{pending}"
     )
-    rows = [("NODE", "ADDRESS", "STATE", "ROLE", "PRIMARY", "FOLLOWER")]
+    rows = [("NODE", "ADDRESS", "STATE", "ROLE", "CLIENTS", "PRIMARY", "FOLLOWER")]
     for m in data["members"]:
+        clients = m.get("clients")
         rows.append(
             (
                 m["node_id"],
                 m["address"],
                 m["state"],
                 "leader" if m["leader"] else "follower",
+                "?" if clients is None else str(clients),
                 str(len(m["primary"])),
                 str(len(m["follower"])),
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    print_table(rows)
+    plane = data.get("data_plane") or {}
+    if plane:
+        click.echo(f"links of node {data['node_id']}:")
+        links = data.get("links", {})
+        table = [("PEER", "LINK", "FRAMES OUT/IN", "MSGS OUT/IN", "BYTES OUT/IN", "QUEUED", "ROWS")]
+        for peer, p in sorted(plane.items()):
+            link = links.get(peer, {})
+            table.append(
+                (
+                    peer,
+                    "up" if p["up"] else "down",
+                    f"{link.get('frames_out', 0)}/{link.get('frames_in', 0)}",
+                    f"{p['messages_out']}/{p['messages_in']}",
+                    f"{link.get('bytes_out', 0)}/{link.get('bytes_in', 0)}",
+                    str(p["unacked_bytes"]),
+                    str(p["route_rows"]),
+                )
+            )
+        print_table(table)
     if partitions:
         for m in data["members"]:
             click.echo(f"{m['node_id']}: primary {ranges(m['primary'])}")

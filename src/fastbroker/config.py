@@ -131,6 +131,12 @@ class ClusterConfig:
     discovery_interval_ms: int = 1000
     # Lets the admin endpoint cut links to chosen nodes (split tests); never in production.
     fault_injection: bool = False
+    # TLS on links between nodes (all three or none): this node's certificate and key, used
+    # both to accept and to dial, and the cluster's CA, which every peer's certificate must
+    # chain to (mutual authentication, beside the shared secret).
+    tls_certfile: str = ""
+    tls_keyfile: str = ""
+    tls_cafile: str = ""
 
 
 @dataclass(frozen=True)
@@ -375,6 +381,9 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "failure_timeout_ms": integer(100, 86_400_000),
         "discovery_interval_ms": integer(100, 600_000),
         "fault_injection": boolean,
+        "tls_certfile": nonempty_string,
+        "tls_keyfile": nonempty_string,
+        "tls_cafile": nonempty_string,
     },
     "admin": {
         "enabled": boolean,
@@ -517,6 +526,8 @@ def check_cluster(cluster: ClusterConfig, source: str) -> None:
         problem = "failure_timeout_ms must be at least twice election_timeout_ms"
     elif cluster.secret and cluster.secret_file:
         problem = "set secret or secret_file, not both"
+    elif len({bool(cluster.tls_certfile), bool(cluster.tls_keyfile), bool(cluster.tls_cafile)}) > 1:
+        problem = "set all of tls_certfile, tls_keyfile and tls_cafile, or none"
     elif not cluster.advertise and parse_address(cluster.listen, allow_any_port=True)[0] in (
         "0.0.0.0",
         "::",

@@ -311,6 +311,9 @@ class BrokerCollector:
                 before.bytes_out,
             )
         yield gauge("cluster_links_up", "Authenticated links to other nodes", len(transport.links))
+        dataplane = getattr(cluster, "dataplane", None)
+        if dataplane is not None:
+            yield from self.dataplane_metrics(dataplane)
         status = cluster.status()
         raft = status.get("raft") or {}
         yield gauge(
@@ -328,6 +331,44 @@ class BrokerCollector:
         version = status.get("map_version")
         if version is not None:
             yield gauge("cluster_map_version", "Version of the cluster map", version)
+
+    def dataplane_metrics(self, dataplane: Any) -> Iterator[Metric]:
+        """Routes and forwarded messages per peer (fastbroker.cluster.dataplane)."""
+        peers = sorted(dataplane.stats().items())
+        families = (
+            ("cluster_messages_forwarded", "messages_out", "Messages forwarded to a peer node"),
+            ("cluster_messages_received", "messages_in", "Messages forwarded by a peer node"),
+            ("cluster_batches_resent", "resent", "Data batches sent again after a reconnect"),
+            (
+                "cluster_forward_dropped",
+                "dropped",
+                "QoS 0 messages to a peer dropped while its link was down or full, and "
+                "batches dropped past the unacknowledged bound",
+            ),
+        )
+        for name, field, doc in families:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["peer"])
+            for peer, stats in peers:
+                family.add_metric([peer], stats[field])
+            yield family
+        gauges = (
+            ("cluster_route_rows", "route_rows", "Route rows (topic filters) held for a peer"),
+            (
+                "cluster_link_queue_bytes",
+                "unacked_bytes",
+                "Bytes of data batches for a peer not yet acknowledged by it",
+            ),
+        )
+        for name, field, doc in gauges:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["peer"])
+            for peer, stats in peers:
+                family.add_metric([peer], stats[field])
+            yield family
+        yield gauge(
+            "cluster_local_route_rows",
+            "Route rows this node announces (distinct filters of its sessions)",
+            dataplane.engine.cluster_local_rows(),
+        )
 
 
 class BrokerMetrics:

@@ -343,7 +343,10 @@ async def start_cluster(
     from fastbroker.cluster.node import ClusterNode, ClusterStartupError
 
     settings = dataclasses.replace(config.cluster, secret=cluster_secret(config), secret_file="")
-    node = ClusterNode(settings, config.storage.data_dir, loop, engine, server)
+    try:
+        node = ClusterNode(settings, config.storage.data_dir, loop, engine, server)
+    except ClusterStartupError as error:
+        raise StartupError(str(error)) from None
     try:
         await node.start()
     except ClusterStartupError as error:

@@ -33,7 +33,12 @@ from fastbroker.cluster.dataplane import DATA, DataPlane
 from fastbroker.cluster.discovery import DiscoveryProvider, LocalNode, parse_discovery
 from fastbroker.cluster.partitions import PartitionMap, compute_map, moved
 from fastbroker.cluster.raft import ClusterConfig, PersistentState, Raft
-from fastbroker.cluster.transport import Transport, format_address, parse_address
+from fastbroker.cluster.transport import (
+    Transport,
+    format_address,
+    link_tls_contexts,
+    parse_address,
+)
 
 logger = logging.getLogger("fastbroker.cluster")
 
@@ -131,10 +136,19 @@ def check_node_id(directory: Path, node_id: str) -> None:
 class PeerView:
     """What this node last heard from another node's ping."""
 
-    __slots__ = ("address", "cluster_id", "config_index", "last_seen", "leader", "member_ids")
+    __slots__ = (
+        "address",
+        "clients",
+        "cluster_id",
+        "config_index",
+        "last_seen",
+        "leader",
+        "member_ids",
+    )
 
     def __init__(self) -> None:
         self.last_seen = 0
+        self.clients: int | None = None
         self.address: str | None = None
         self.cluster_id: str | None = None
         self.config_index = 0
@@ -187,6 +201,14 @@ class ClusterNode:
         self.left = asyncio.Event()
         self.tick_task: asyncio.Task[None] | None = None
         self.discovery_task: asyncio.Task[None] | None = None
+        tls = None
+        if settings.tls_certfile:
+            try:
+                tls = link_tls_contexts(
+                    settings.tls_certfile, settings.tls_keyfile, settings.tls_cafile
+                )
+            except ValueError as error:
+                raise ClusterStartupError(f"[cluster] TLS: {error}") from None
         self.transport = Transport(
             loop,
             node_id=self.node_id,
@@ -194,6 +216,7 @@ class ClusterNode:
             secret=self.secret,
             advertise=self.advertise,
             on_message=self.on_message,
+            tls=tls,
         )
         # Peers ping every heartbeat: a link silent this long is half-open (peer gone).
         self.transport.idle_timeout_s = settings.failure_timeout_ms / 1000
@@ -674,6 +697,7 @@ class ClusterNode:
             "leader": leader,
             "leader_address": latest.address_of(leader) if latest is not None and leader else None,
             "address": self.advertise,
+            "clients": self.clients(),
         }
         for peer in self.transport.connected():
             self.transport.send(peer, PING, ping)
@@ -691,6 +715,8 @@ class ClusterNode:
         view.config_index = index if type(index) is int else 0
         leader = ping.get("leader")
         view.leader = leader if isinstance(leader, str) else None
+        clients = ping.get("clients")
+        view.clients = clients if type(clients) is int else None
         members = ping.get("members")
         view.member_ids = (
             tuple(m for m in members if isinstance(m, str)) if isinstance(members, list) else ()
@@ -731,6 +757,12 @@ class ClusterNode:
 
     # -- admin -----------------------------------------------------------------------------
 
+    def clients(self) -> int | None:
+        """MQTT clients connected to this node (None without the data plane)."""
+        if self.dataplane is None:
+            return None
+        return int(self.dataplane.engine.stats()["clients_connected"])
+
     def status(self) -> dict[str, Any]:
         raft = self.raft
         assert raft is not None
@@ -742,9 +774,11 @@ class ClusterNode:
             for member, address in config.members:
                 view = self.peers.get(member)
                 seen: int | None = None
+                clients = view.clients if view is not None else None
                 if member == self.node_id:
                     state = "self"
                     seen = 0
+                    clients = self.clients()
                 elif member in self.transport.links and view is not None:
                     seen = now - view.last_seen
                     state = "alive" if seen < self.settings.failure_timeout_ms else "suspect"
@@ -758,6 +792,7 @@ class ClusterNode:
                         "state": state,
                         "last_seen_ms": seen,
                         "leader": member == raft.leader_id,
+                        "clients": clients,
                         "primary": self.map.primaries_of(member),
                         "follower": self.map.followers_of(member),
                     }

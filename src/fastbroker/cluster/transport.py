@@ -13,9 +13,11 @@ Handshake, both sides at once (no round trip is wasted waiting for the other):
      node's proof on to another) or reflecting a node's own proof back to it;
   3. on the peer's valid AUTH the link is up.
 
-The handshake authenticates the peer; the frames after it are neither encrypted nor signed,
-so links must run on a network an attacker cannot sit in the middle of (TLS for links is
-future work).
+The handshake authenticates the peer. Without TLS the frames after it are neither encrypted
+nor signed, so links must then run on a network an attacker cannot sit in the middle of.
+With `[cluster] tls_*` set, every link is TLS both ways with mutual authentication: each node
+presents its certificate and accepts only peers whose certificate chains to the cluster's CA
+(host names are not checked: the CA is the cluster's own, and the secret is still required).
 
 After the handshake a link carries the control plane's frames (Raft, pings, joins: values
 encoded here) and the data plane's batches (kind DATA: whole frames made by the engine,
@@ -39,6 +41,7 @@ import logging
 import os
 import random
 import reprlib
+import ssl
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -128,6 +131,32 @@ def parse_address(
     if not port_text.isdigit() or not lowest <= int(port_text) < 65536:
         raise ValueError(f"bad address {text!r}: port must be {lowest}..65535")
     return host, int(port_text)
+
+
+def link_tls_contexts(
+    certfile: str, keyfile: str, cafile: str
+) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(accepting, dialling) contexts for TLS links: both present this node's certificate
+    and require the peer's, chained to the cluster CA. ValueError (one line) for a file that
+    cannot be read or a certificate and key that do not go together."""
+    contexts = []
+    for purpose in (ssl.PROTOCOL_TLS_SERVER, ssl.PROTOCOL_TLS_CLIENT):
+        context = ssl.SSLContext(purpose)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_REQUIRED
+        try:
+            context.load_cert_chain(certfile, keyfile)
+            context.load_verify_locations(cafile=cafile)
+        except OSError as error:
+            raise ValueError(f"{error.filename or certfile}: {error.strerror or error}") from None
+        except ssl.SSLError as error:
+            raise ValueError(
+                f"tls_certfile {certfile}, tls_keyfile {keyfile}, tls_cafile {cafile}: "
+                f"{error.reason or error}"
+            ) from None
+        contexts.append(context)
+    return contexts[0], contexts[1]
 
 
 class Link(asyncio.Protocol):
@@ -363,6 +392,12 @@ class Link(asyncio.Protocol):
         self.traffic.frames_out += frames
         self.transport.write(data)
 
+    def tls_version(self) -> str | None:
+        """The TLS version of this link ("TLSv1.3"), or None for plain TCP."""
+        transport = self.transport
+        ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
+        return ssl_object.version() if ssl_object is not None else None
+
     def send_now(self, kind: int, value: Any) -> None:
         if self.transport is not None and not self.closed:
             data = fastbroker_core.encode_frame(kind, value)
@@ -402,6 +437,7 @@ class Transport:
         on_peer_down: Callable[[str], None] | None = None,
         on_writable: Callable[[str, bool], None] | None = None,
         protocol_max: int = PROTOCOL_MAX,
+        tls: tuple[ssl.SSLContext, ssl.SSLContext] | None = None,
     ) -> None:
         self.loop = loop
         self.node_id = node_id
@@ -412,6 +448,8 @@ class Transport:
         self.on_peer_up = on_peer_up
         self.on_peer_down = on_peer_down
         self.on_writable = on_writable
+        # (accepting, dialling) TLS contexts, or None for plain TCP links.
+        self.tls = tls
         # Tests set a higher max to check negotiation between versions.
         self.protocol_max = protocol_max
         self.links: dict[str, Link] = {}
@@ -433,7 +471,13 @@ class Transport:
         self.rng = random.Random()
 
     async def listen(self, host: str, port: int) -> tuple[str, int]:
-        self.server = await self.loop.create_server(lambda: Link(self, None), host, port)
+        self.server = await self.loop.create_server(
+            lambda: Link(self, None),
+            host,
+            port,
+            ssl=self.tls[0] if self.tls else None,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if self.tls else None,
+        )
         bound = self.server.sockets[0].getsockname()
         return bound[0], bound[1]
 
@@ -479,7 +523,11 @@ class Transport:
     async def dial(self, address: tuple[str, int], state: list[float]) -> None:
         try:
             await asyncio.wait_for(
-                self.loop.create_connection(lambda: Link(self, address), *address),
+                self.loop.create_connection(
+                    lambda: Link(self, address),
+                    *address,
+                    ssl=self.tls[1] if self.tls else None,
+                ),
                 HANDSHAKE_TIMEOUT_S,
             )
         except Exception as error:
@@ -589,6 +637,7 @@ class Transport:
                 "frames_out": link.frames_out,
                 "dropped_frames": link.dropped_frames,
                 "protocol": link.version or 0,
+                "tls": link.tls_version(),
             }
             for peer, link in self.links.items()
         }
