@@ -85,7 +85,7 @@ def test_handshake_messages_and_batching():
         assert all(p == "a" and k == 20 for p, k, _ in b.received)
         # 500 frames queued in one loop iteration went out in one write.
         assert link.writes == writes + 1
-        assert link.version == 1
+        assert link.version == tr.PROTOCOL_MAX
         await a.transport.close()
         await until(lambda: b.downs == ["a"])
         await b.transport.close()
