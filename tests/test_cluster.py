@@ -330,8 +330,7 @@ def test_bad_cluster_config_is_a_clear_error(tmp_path):
         ('node_id = "a"\ndiscovery = "carrier-pigeon"', "discovery"),
         ('node_id = "a"\ntls_certfile = "n.pem"', "set all of tls_certfile, tls_keyfile"),
         (
-            'node_id = "a"\ntls_certfile = "no.pem"\ntls_keyfile = "no.key"\n'
-            'tls_cafile = "ca.pem"',
+            'node_id = "a"\ntls_certfile = "no.pem"\ntls_keyfile = "no.key"\ntls_cafile = "ca.pem"',
             "[cluster] TLS: no.pem: No such file or directory",
         ),
     ],

@@ -22,7 +22,7 @@ import fastbroker_core
 import pytest
 import rawmqtt as r
 from certs import make_ca, make_leaf
-from clusters import SECRET, Cluster, Node, wait_for
+from clusters import SECRET, Cluster, Node, run_subnet, wait_for
 from conftest import Client
 
 from fastbroker.cluster.dataplane import DATA
@@ -62,6 +62,8 @@ def start_cluster(cluster: Cluster, count: int) -> list[Node]:
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     with Cluster(tmp_path_factory.mktemp("routing")) as cluster:
+        # Addresses of their own: tests below start clusters of theirs meanwhile.
+        cluster.subnet = (run_subnet() - 20 + 100) % 200 + 20
         yield start_cluster(cluster, NODES)
 
 
@@ -206,6 +208,33 @@ def test_publishes_go_only_to_nodes_with_subscribers_and_once_per_node(nodes):
     assert plane(n2, "n1")["messages_in"] - before_n2 == 20
     assert plane(n3, "n1")["messages_in"] - before_n3 == 0
     for c in (publisher, *subscribers):
+        c.disconnect()
+
+
+# ------------------------------------------------------------------ shared subscriptions
+
+
+def test_shared_subscription_members_on_every_node_share_the_load(nodes):
+    topic = unique("share")
+    members = []
+    for node in nodes:
+        c = Client(endpoint(node), client_id=unique(f"member-{node.node_id}"), version=5)
+        c.connect()
+        c.subscribe(f"$share/workers/{topic}/#", qos=1)
+        members.append(c)
+    for node in nodes[1:]:
+        wait_rows(nodes[0], node.node_id, 1)
+    time.sleep(0.2)
+    publisher = Client(endpoint(nodes[0]), client_id=unique("sharepub"), version=5)
+    publisher.connect()
+    for i in range(60):
+        publisher.publish(f"{topic}/job", f"{i}".encode(), qos=1)
+    got = [[m.payload for m in c.drain(1.0)] for c in members]
+    everything = sorted((p for per_member in got for p in per_member), key=int)
+    # Each message to exactly one member cluster-wide, and every node's member got a share.
+    assert everything == [f"{i}".encode() for i in range(60)]
+    assert all(len(per_member) >= 10 for per_member in got), [len(g) for g in got]
+    for c in (publisher, *members):
         c.disconnect()
 
 

@@ -289,11 +289,14 @@ def _batch(items: list[bytes], seq: int = 1, ack: int = 0) -> bytes:
     return header + _field(len(items).to_bytes(4, "little") + b"".join(items))
 
 
-def _message(topic: bytes, payload: bytes, flags: int, expiry: int | None = None) -> bytes:
+def _message(
+    topic: bytes, payload: bytes, flags: int, expiry: int | None = None, groups: tuple = ()
+) -> bytes:
     expiry_field = b"\x00" if expiry is None else b"\x01" + expiry.to_bytes(8, "little")
     # Properties block as the codec encodes it: a user property ("k", "v").
     props = b"\x07\x26\x00\x01k\x00\x01v"
     body = _field(topic) + _field(payload) + _field(props)
+    body += len(groups).to_bytes(4, "little") + b"".join(_field(g) for g in groups)
     return b"\x05" + bytes([flags]) + expiry_field + body
 
 
@@ -312,6 +315,7 @@ def cluster_batch_seeds() -> dict[str, bytes]:
                 _message(b"t/1", b"one", 1, 60_000),
                 _message(b"t/2", b"two", 2),
                 _message(b"r/1", b"kept", 0b101),
+                _message(b"s/1", b"shared", 0b1001, groups=(b"$share/g/s/#",)),
             ]
         ),
         "ack_only": _batch([], seq=0, ack=3),

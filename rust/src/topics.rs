@@ -390,7 +390,8 @@ impl<K: Copy + Eq + Hash> SubList<K> {
 
 /// One `$share/{name}/{filter}` group on the node of `filter`.
 struct SharedGroup<K> {
-    name: Box<str>,
+    /// The whole subscription, `$share/{group}/{filter}`: what names the group cluster-wide.
+    key: Box<str>,
     members: SubList<K>,
     cursor: Cell<u32>,
 }
@@ -418,6 +419,7 @@ impl<K: Copy + Eq + Hash> Slot<K> {
     fn emit<'a>(&'a self, plain: &mut Vec<(K, SubOpts)>, shared: &mut Vec<SharedMatch<'a, K>>) {
         plain.extend_from_slice(&self.plain.list);
         shared.extend(self.shared.iter().map(|g| SharedMatch {
+            key: &g.key,
             members: &g.members.list,
             cursor: &g.cursor,
         }));
@@ -617,6 +619,8 @@ pub struct SubscriptionIndex<K> {
 
 /// One shared-subscription group that matched: the engine picks one member to deliver to.
 pub struct SharedMatch<'a, K> {
+    /// The shared subscription, `$share/{group}/{filter}`.
+    pub key: &'a str,
     /// Members in insertion order.
     pub members: &'a [(K, SubOpts)],
     /// A per-group counter the engine may use for round-robin choice.
@@ -657,12 +661,12 @@ impl<K: Copy + Eq + Hash> SubscriptionIndex<K> {
         };
         let new = match group {
             None => slot.plain.upsert(key, opts),
-            Some(g) => {
-                let i = match slot.shared.iter().position(|s| &*s.name == g) {
+            Some(_) => {
+                let i = match slot.shared.iter().position(|s| &*s.key == filter) {
                     Some(i) => i,
                     None => {
                         slot.shared.push(SharedGroup {
-                            name: g.into(),
+                            key: filter.into(),
                             members: SubList::new(),
                             cursor: Cell::new(0),
                         });
@@ -701,7 +705,7 @@ impl<K: Copy + Eq + Hash> SubscriptionIndex<K> {
         };
         let removed = match group {
             None => slot.plain.remove(key, false),
-            Some(g) => match slot.shared.iter().position(|s| &*s.name == g) {
+            Some(_) => match slot.shared.iter().position(|s| &*s.key == filter) {
                 Some(i) => {
                     let removed = slot.shared[i].members.remove(key, true);
                     if slot.shared[i].members.is_empty() {

@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::router::forwarded_props;
+use super::router::{forwarded_props, Scope};
 use super::state::{Message, SessionId};
 use super::{ConnId, Engine};
 use crate::cluster::batch::{self, Batch, Header, Item, ItemWriter, WireMessage};
@@ -228,6 +228,19 @@ struct HeldAck {
     waits: Vec<(PeerId, u64)>,
 }
 
+/// Where the message being routed goes besides this node, worked out by `plan_forward`
+/// before local delivery (which may give shared groups away) and sent by `forward`.
+#[derive(Default)]
+struct Plan {
+    /// Peers with a matching plain row (every peer for a retained message).
+    plain: Vec<PeerId>,
+    /// Shared subscriptions matched on other nodes: the key, its peers, and whether local
+    /// delivery has decided it already.
+    groups: Vec<(Box<str>, Vec<PeerId>, bool)>,
+    /// Shared subscriptions given to a peer to serve.
+    assigned: Vec<(PeerId, Box<str>)>,
+}
+
 #[derive(Default)]
 pub(super) struct Cluster {
     /// This process's incarnation (0: the cluster part is off).
@@ -247,6 +260,9 @@ pub(super) struct Cluster {
     /// The (peer, batch) pairs the last `forward` put a reliable message in, on links up.
     waits: Vec<(PeerId, u64)>,
     held_acks: VecDeque<HeldAck>,
+    plan: Plan,
+    /// Round-robin position of each shared subscription over the nodes that hold members.
+    shared_cursors: HashMap<Box<str>, u32>,
 }
 
 impl Cluster {
@@ -291,6 +307,72 @@ impl Cluster {
         self.has_output |= any;
     }
 
+    /// Local delivery met shared subscription `key`: true if one of the other nodes with
+    /// members takes this message instead (round robin over this node and those).
+    pub(super) fn give_group_away(&mut self, key: &str) -> bool {
+        let Some(i) = self.plan.groups.iter().position(|g| &*g.0 == key) else {
+            return false;
+        };
+        self.plan.groups[i].2 = true;
+        let peers = std::mem::take(&mut self.plan.groups[i].1);
+        let choice = self.pick_node(key, &peers, true);
+        self.plan.groups[i].1 = peers;
+        match choice {
+            Some(peer) => {
+                self.plan.assigned.push((peer, key.into()));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Shared subscriptions with members on other nodes only: each is given to one of them.
+    pub(super) fn assign_remote_groups(&mut self) {
+        let groups = std::mem::take(&mut self.plan.groups);
+        for (key, peers, decided) in &groups {
+            if !decided {
+                if let Some(peer) = self.pick_node(key, peers, false) {
+                    self.plan.assigned.push((peer, key.clone()));
+                }
+            }
+        }
+        self.plan.groups = groups;
+    }
+
+    /// The next node for shared subscription `key`: None for this node (when `local`), or a
+    /// peer, preferring peers whose link is up.
+    fn pick_node(&mut self, key: &str, peers: &[PeerId], local: bool) -> Option<PeerId> {
+        let up: Vec<PeerId> = peers
+            .iter()
+            .copied()
+            .filter(|&p| self.peer_ref(p).is_some_and(|peer| peer.up))
+            .collect();
+        let candidates = if up.is_empty() && !local {
+            peers.to_vec()
+        } else {
+            up
+        };
+        let n = candidates.len() + usize::from(local);
+        if n == 0 {
+            return None;
+        }
+        let cursor = match self.shared_cursors.get_mut(key) {
+            Some(c) => c,
+            None => self.shared_cursors.entry(key.into()).or_insert(0),
+        };
+        let pick = *cursor as usize % n;
+        *cursor = cursor.wrapping_add(1);
+        match (local, pick) {
+            (true, 0) => None,
+            (true, i) => Some(candidates[i - 1]),
+            (false, i) => Some(candidates[i]),
+        }
+    }
+
+    fn peer_ref(&self, id: PeerId) -> Option<&Peer> {
+        self.peers.get(usize::from(id)).and_then(Option::as_ref)
+    }
+
     fn set_rows(&mut self, id: PeerId, filters: &[&str]) {
         let Some(peer) = self.peers.get_mut(usize::from(id)).and_then(Option::as_mut) else {
             return;
@@ -311,7 +393,9 @@ impl Cluster {
     }
 
     fn add_row(&mut self, id: PeerId, filter: &str) {
-        let Some(peer) = self.peer_mut(id) else { return };
+        let Some(peer) = self.peer_mut(id) else {
+            return;
+        };
         if peer.rows.insert(Arc::from(filter)) {
             peer.stats.rows += 1;
             self.routes.insert(filter, id, route_opts());
@@ -319,7 +403,9 @@ impl Cluster {
     }
 
     fn remove_row(&mut self, id: PeerId, filter: &str) {
-        let Some(peer) = self.peer_mut(id) else { return };
+        let Some(peer) = self.peer_mut(id) else {
+            return;
+        };
         if peer.rows.remove(filter) {
             peer.stats.rows -= 1;
             self.routes.remove(filter, id);
@@ -337,12 +423,6 @@ fn route_opts() -> SubOpts {
         retain_handling: 0,
         identifier: 0,
     }
-}
-
-/// Whether a filter is announced to other nodes. Shared subscriptions stay on their node for
-/// now: forwarding them needs one member picked cluster-wide.
-fn announced(filter: &str) -> bool {
-    topics::split_shared(filter).is_none()
 }
 
 impl Engine {
@@ -470,7 +550,16 @@ impl Engine {
                         return Err(format!("invalid route filter {filter:?}"));
                     }
                 }
-                Item::Message(m) => messages.push(message_from_wire(m, now)?),
+                Item::Message(m) => {
+                    if let Some(g) = m
+                        .groups
+                        .iter()
+                        .find(|g| topics::split_shared(g).is_none() || !topics::valid_filter(g))
+                    {
+                        return Err(format!("invalid shared subscription {g:?}"));
+                    }
+                    messages.push(message_from_wire(m, now)?);
+                }
                 Item::Resync => {}
             }
         }
@@ -539,81 +628,119 @@ impl Engine {
                     // bring back a removed row.
                 }
                 Item::Resync => c.queue_snapshot(id),
-                Item::Message(_) => {
+                Item::Message(m) => {
                     let msg = messages.next().expect("one per message item");
-                    self.route_local(Arc::new(msg), now);
+                    let scope = Scope::Forwarded {
+                        plain: m.plain,
+                        groups: &m.groups,
+                    };
+                    self.route_local(Arc::new(msg), now, scope);
                 }
             }
         }
         Ok(())
     }
 
-    /// Forwards a message routed here to every peer with a matching row (retained ones to
-    /// every peer: each node holds the full retained set). Returns how many peers.
-    pub(super) fn forward(&mut self, msg: &Message, now: u64) -> usize {
+    /// Works out which peers `msg` goes to: those with a matching plain row (every peer for
+    /// a retained message: each node holds the full retained set) and the shared
+    /// subscriptions matched on other nodes. False when it goes to none.
+    pub(super) fn plan_forward(&mut self, msg: &Message) -> bool {
         let c = &mut self.cluster;
         c.waits.clear();
-        if c.epoch == 0 || msg.origin == REMOTE_ORIGIN || msg.topic.starts_with(b"$SYS") {
-            return 0;
+        c.plan.plain.clear();
+        c.plan.groups.clear();
+        c.plan.assigned.clear();
+        if c.epoch == 0
+            || c.peers.is_empty()
+            || msg.origin == REMOTE_ORIGIN
+            || msg.topic.starts_with(b"$SYS")
+        {
+            return false;
         }
-        let mut targets = std::mem::take(&mut c.scratch_peers);
-        targets.clear();
+        let mut matched = std::mem::take(&mut c.scratch_peers);
+        matched.clear();
+        let mut shared = Vec::new();
+        c.routes.lookup(&msg.topic, &mut matched, &mut shared);
+        for g in &shared {
+            let peers = g.members.iter().map(|(p, _)| *p).collect();
+            c.plan.groups.push((g.key.into(), peers, false));
+        }
+        drop(shared);
         if msg.retain {
-            for (i, peer) in c.peers.iter().enumerate() {
-                if peer.is_some() {
-                    targets.push((i as PeerId, route_opts()));
-                }
-            }
+            let all = c.peers.iter().enumerate().filter(|(_, p)| p.is_some());
+            c.plan.plain.extend(all.map(|(i, _)| i as PeerId));
         } else {
-            let mut shared = Vec::new();
-            c.routes.lookup(&msg.topic, &mut targets, &mut shared);
-            targets.sort_unstable_by_key(|(p, _)| *p);
-            targets.dedup_by_key(|(p, _)| *p);
+            c.plan.plain.extend(matched.iter().map(|(p, _)| *p));
+            c.plan.plain.sort_unstable();
+            c.plan.plain.dedup();
         }
-        if targets.is_empty() {
-            c.scratch_peers = targets;
-            return 0;
-        }
+        c.scratch_peers = matched;
+        !c.plan.plain.is_empty() || !c.plan.groups.is_empty()
+    }
+
+    /// Sends `msg` where `plan_forward` and local delivery decided: one item per peer, in
+    /// its next batch. Returns how many peers.
+    pub(super) fn forward(&mut self, msg: &Message, now: u64) -> usize {
+        let c = &mut self.cluster;
         let mut props = std::mem::take(&mut c.scratch_props);
         props.clear();
         if let Some(p) = msg.props.as_deref() {
             codec::encode_properties(p, &mut props).expect("routed properties encode");
         }
-        let mut item = std::mem::take(&mut c.scratch_item);
-        item.clear();
-        batch::encode_message(
-            &WireMessage {
-                topic: &msg.topic,
-                payload: &msg.payload,
-                qos: msg.qos as u8,
-                retain: msg.retain,
-                expires_in_ms: msg.expires_at.map(|t| t.saturating_sub(now)),
-                props: &props,
-            },
-            &mut item,
-        );
+        let mut targets: Vec<PeerId> = c.plan.plain.clone();
+        targets.extend(c.plan.assigned.iter().map(|(p, _)| *p));
+        targets.sort_unstable();
+        targets.dedup();
         let reliable = msg.qos != QoS::AtMostOnce || msg.retain;
         let epoch = c.epoch;
-        for &(id, _) in &targets {
-            if let Some(peer) = c.peers.get_mut(usize::from(id)).and_then(Option::as_mut) {
-                peer.items.raw_item(&item);
-                peer.item_messages += 1;
-                peer.reliable |= reliable;
-                if reliable && peer.up {
-                    // The batch being written gets this number when it is sealed.
-                    c.waits.push((id, peer.next_seq));
-                }
-                if peer.items.len() >= SEAL_ABOVE {
-                    peer.seal(epoch);
-                }
+        let mut item = std::mem::take(&mut c.scratch_item);
+        // Most messages go to no shared group: one encoding then serves every peer with the
+        // same plain flag.
+        let mut cached: Option<bool> = None;
+        for &id in &targets {
+            let plain = c.plan.plain.binary_search(&id).is_ok();
+            let groups: Vec<&str> = c
+                .plan
+                .assigned
+                .iter()
+                .filter(|(p, _)| *p == id)
+                .map(|(_, k)| &**k)
+                .collect();
+            if !groups.is_empty() || cached != Some(plain) {
+                cached = groups.is_empty().then_some(plain);
+                item.clear();
+                batch::encode_message(
+                    &WireMessage {
+                        topic: &msg.topic,
+                        payload: &msg.payload,
+                        qos: msg.qos as u8,
+                        retain: msg.retain,
+                        expires_in_ms: msg.expires_at.map(|t| t.saturating_sub(now)),
+                        props: &props,
+                        plain,
+                        groups,
+                    },
+                    &mut item,
+                );
+            }
+            let Some(peer) = c.peers.get_mut(usize::from(id)).and_then(Option::as_mut) else {
+                continue;
+            };
+            peer.items.raw_item(&item);
+            peer.item_messages += 1;
+            peer.reliable |= reliable;
+            if reliable && peer.up {
+                // The batch being written gets this number when it is sealed.
+                c.waits.push((id, peer.next_seq));
+            }
+            if peer.items.len() >= SEAL_ABOVE {
+                peer.seal(epoch);
             }
         }
-        c.has_output = true;
-        let n = targets.len();
-        c.scratch_peers = targets;
+        c.has_output |= !targets.is_empty();
         c.scratch_item = item;
         c.scratch_props = props;
-        n
+        targets.len()
     }
 
     /// Sends the PUBACK or PUBREC of a publish just routed, or, if `forward` put it in
@@ -650,7 +777,11 @@ impl Engine {
                     .is_some_and(|peer| peer.up && peer.acked_seq < seq)
             });
             if held.waits.is_empty() {
-                ready.push((held.conn, held.serial, std::mem::replace(&mut held.packet, Packet::PingResp)));
+                ready.push((
+                    held.conn,
+                    held.serial,
+                    std::mem::replace(&mut held.packet, Packet::PingResp),
+                ));
                 false
             } else {
                 true
@@ -667,7 +798,7 @@ impl Engine {
     /// becomes a route row. Returns whether the subscription is new.
     pub(super) fn index_subscribe(&mut self, filter: &str, sid: SessionId, opts: SubOpts) -> bool {
         let new = self.subs.insert(filter, sid, opts);
-        if new && announced(filter) {
+        if new {
             let count = self
                 .cluster
                 .local_filters
@@ -684,7 +815,7 @@ impl Engine {
     /// Removes `sid`'s subscription; the last one of a filter withdraws its route row.
     pub(super) fn index_unsubscribe(&mut self, filter: &str, sid: SessionId) -> bool {
         let existed = self.subs.remove(filter, sid);
-        if existed && announced(filter) {
+        if existed {
             if let Some(count) = self.cluster.local_filters.get_mut(filter) {
                 *count -= 1;
                 if *count == 0 {

@@ -25,7 +25,11 @@ impl Nodes {
                 }
             }
         }
-        let mut nodes = Nodes { h, peer, cut: Vec::new() };
+        let mut nodes = Nodes {
+            h,
+            peer,
+            cut: Vec::new(),
+        };
         for i in 0..n {
             for j in 0..n {
                 if i != j {
@@ -132,7 +136,10 @@ fn a_publish_reaches_subscribers_on_other_nodes_once_per_node() {
     n.settle();
     let acks = n.h[0].recv_one(publisher);
     // Matching subscribers exist on other nodes: not 0x10 "no matching subscribers".
-    assert!(matches!(&acks[0], Packet::PubAck(a) if a.reason_code == 0), "{acks:?}");
+    assert!(
+        matches!(&acks[0], Packet::PubAck(a) if a.reason_code == 0),
+        "{acks:?}"
+    );
     let got_b = n.h[1].recv();
     assert_eq!(payloads(&got_b[&sub_b]), ["one"]);
     assert_eq!(payloads(&got_b[&sub_b2]), ["one"]);
@@ -359,10 +366,65 @@ fn a_down_peer_never_stalls_a_publisher() {
     assert!(n.h[0].recv_one(p).is_empty());
     // The link drops before B acknowledges: the PUBACK goes out, the message waits.
     n.cut_link(0, 1);
-    assert!(matches!(n.h[0].recv_one(p).first(), Some(Packet::PubAck(_))));
+    assert!(matches!(
+        n.h[0].recv_one(p).first(),
+        Some(Packet::PubAck(_))
+    ));
     n.h[0].publish(p, "d", "while down", QoS::AtLeastOnce, false);
-    assert!(matches!(n.h[0].recv_one(p).first(), Some(Packet::PubAck(_))));
+    assert!(matches!(
+        n.h[0].recv_one(p).first(),
+        Some(Packet::PubAck(_))
+    ));
     n.settle();
     n.heal_link(0, 1);
     assert_eq!(payloads(&n.h[1].recv_one(s)), ["held", "while down"]);
+}
+
+#[test]
+fn a_shared_subscription_gets_each_message_once_cluster_wide() {
+    let mut n = Nodes::new(3);
+    // Members of one group on all three nodes, a plain subscriber on node 2 as well.
+    let mut members = Vec::new();
+    for node in 0..3 {
+        let c = n.h[node].connect(&format!("m{node}"), Protocol::V5, true);
+        n.h[node].subscribe(c, "$share/g/s/#", QoS::AtLeastOnce);
+        members.push(c);
+    }
+    let plain = n.h[2].connect("plain", Protocol::V5, true);
+    n.h[2].subscribe(plain, "s/#", QoS::AtMostOnce);
+    // Another group with members on node 1 only.
+    let other = n.h[1].connect("other", Protocol::V5, true);
+    n.h[1].subscribe(other, "$share/h/s/+", QoS::AtMostOnce);
+    n.settle();
+    let p = n.h[0].connect("p", Protocol::V5, true);
+    for i in 0..30 {
+        n.h[0].publish(p, "s/x", &format!("{i}"), QoS::AtMostOnce, false);
+    }
+    n.settle();
+    let mut got_g = Vec::new();
+    let mut per_node = Vec::new();
+    for (node, member) in members.iter().enumerate() {
+        let all = n.h[node].recv();
+        let mine = payloads(all.get(member).map_or(&[][..], |v| &v[..]));
+        per_node.push(mine.len());
+        got_g.extend(mine);
+        if node == 1 {
+            assert_eq!(
+                payloads(&all[&other]).len(),
+                30,
+                "group h: all to its one member"
+            );
+        }
+        if node == 2 {
+            assert_eq!(
+                payloads(&all[&plain]).len(),
+                30,
+                "the plain subscriber gets all"
+            );
+        }
+    }
+    got_g.sort_by_key(|p| p.parse::<u32>().unwrap());
+    let want: Vec<String> = (0..30).map(|i| i.to_string()).collect();
+    assert_eq!(got_g, want, "group g: each message exactly once");
+    assert_eq!(per_node, [10, 10, 10], "round robin over the three nodes");
 }

@@ -40,6 +40,17 @@ pub(super) fn sub_ids_of(opts: &SubOpts) -> Vec<u32> {
     }
 }
 
+/// Which of this node's subscriptions a message routed here is for.
+#[derive(Clone, Copy)]
+pub(super) enum Scope<'a> {
+    /// Published on this node: every plain subscription, and the shared groups the cluster
+    /// part does not give to another node.
+    Origin,
+    /// Forwarded by another node: the plain subscriptions if `plain`, and these shared
+    /// groups (`$share/g/f`), one member each.
+    Forwarded { plain: bool, groups: &'a [&'a str] },
+}
+
 /// Scratch space for one routing pass, kept between calls so routing does not allocate.
 #[derive(Default)]
 pub(super) struct RouteScratch {
@@ -299,13 +310,15 @@ impl Engine {
     /// Delivers `msg` to every matching subscription on this node and forwards it to every
     /// other node with one (`cluster`). Returns how many sessions and nodes it went to.
     pub(super) fn route(&mut self, msg: Arc<Message>, now: u64) -> usize {
-        let nodes = self.forward(&msg, now);
-        self.route_local(msg, now) + nodes
+        let remote = self.plan_forward(&msg);
+        let local = self.route_local(msg.clone(), now, Scope::Origin);
+        let nodes = if remote { self.forward(&msg, now) } else { 0 };
+        local + nodes
     }
 
-    /// Delivers `msg` to every matching subscription on this node and keeps it if retained.
-    /// Returns how many sessions it was delivered or queued to.
-    pub(super) fn route_local(&mut self, msg: Arc<Message>, now: u64) -> usize {
+    /// Delivers `msg` to the matching subscriptions on this node that `scope` gives it and
+    /// keeps it if retained. Returns how many sessions it was delivered or queued to.
+    pub(super) fn route_local(&mut self, msg: Arc<Message>, now: u64, scope: Scope<'_>) -> usize {
         if msg.retain {
             // $SYS topics are the broker's own, republished after a restart.
             let stored = !msg.topic.starts_with(b"$SYS");
@@ -329,6 +342,14 @@ impl Engine {
         // Shared groups: one member each, round robin, preferring connected members.
         let mut picked: Vec<(SessionId, SubOpts)> = Vec::with_capacity(shared.len());
         for group in &shared {
+            // Each message goes to one member cluster-wide: this node's, or another's.
+            let here = match scope {
+                Scope::Origin => !self.cluster.give_group_away(group.key),
+                Scope::Forwarded { groups, .. } => groups.contains(&group.key),
+            };
+            if !here {
+                continue;
+            }
             let n = group.members.len() as u32;
             let start = group.cursor.get();
             let mut choice = None;
@@ -348,6 +369,13 @@ impl Engine {
             }
         }
         drop(shared);
+        if let Scope::Origin = scope {
+            self.cluster.assign_remote_groups();
+        }
+        if let Scope::Forwarded { plain: false, .. } = scope {
+            // Sent here for shared groups only: the plain subscribers are not this batch's.
+            scratch.plain.clear();
+        }
 
         // Overlapping subscriptions of one session: one copy, highest QoS, every identifier.
         scratch.plain.sort_unstable_by_key(|(sid, _)| *sid);

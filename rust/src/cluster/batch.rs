@@ -62,16 +62,30 @@ pub struct WireMessage<'a> {
     /// Milliseconds left before the message expires (MQTT 5 message expiry), counted down
     /// on the sender at the moment it was batched.
     pub expires_in_ms: Option<u64>,
-    /// MQTT 5 properties block to forward (without its length prefix), or empty.
+    /// MQTT 5 properties block to forward (as the codec encodes it), or empty.
     pub props: &'a [u8],
+    /// For the receiver's plain subscriptions (false: only for `groups`).
+    pub plain: bool,
+    /// Shared subscriptions (`$share/g/f`) the receiver delivers it to, one member each:
+    /// the sender picked the receiver's members for them, cluster-wide.
+    pub groups: Vec<&'a str>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Item<'a> {
     /// All route rows of the sender, replacing what the receiver held, at `version`.
-    RouteSnapshot { version: u64, filters: Vec<&'a str> },
-    RouteAdd { version: u64, filter: &'a str },
-    RouteRemove { version: u64, filter: &'a str },
+    RouteSnapshot {
+        version: u64,
+        filters: Vec<&'a str>,
+    },
+    RouteAdd {
+        version: u64,
+        filter: &'a str,
+    },
+    RouteRemove {
+        version: u64,
+        filter: &'a str,
+    },
     /// The receiver of this asks the sender for a snapshot of its routes.
     Resync,
     Message(WireMessage<'a>),
@@ -108,8 +122,15 @@ impl ItemWriter {
         self.w.buf.len()
     }
 
-    pub fn route_snapshot<'f>(&mut self, version: u64, filters: impl ExactSizeIterator<Item = &'f str>) {
-        self.w.u8(ITEM_ROUTE_SNAPSHOT).u64(version).u32(filters.len() as u32);
+    pub fn route_snapshot<'f>(
+        &mut self,
+        version: u64,
+        filters: impl ExactSizeIterator<Item = &'f str>,
+    ) {
+        self.w
+            .u8(ITEM_ROUTE_SNAPSHOT)
+            .u64(version)
+            .u32(filters.len() as u32);
         for f in filters {
             self.w.bytes(f.as_bytes());
         }
@@ -117,12 +138,18 @@ impl ItemWriter {
     }
 
     pub fn route_add(&mut self, version: u64, filter: &str) {
-        self.w.u8(ITEM_ROUTE_ADD).u64(version).bytes(filter.as_bytes());
+        self.w
+            .u8(ITEM_ROUTE_ADD)
+            .u64(version)
+            .bytes(filter.as_bytes());
         self.count += 1;
     }
 
     pub fn route_remove(&mut self, version: u64, filter: &str) {
-        self.w.u8(ITEM_ROUTE_REMOVE).u64(version).bytes(filter.as_bytes());
+        self.w
+            .u8(ITEM_ROUTE_REMOVE)
+            .u64(version)
+            .bytes(filter.as_bytes());
         self.count += 1;
     }
 
@@ -173,13 +200,19 @@ impl ItemWriter {
 
 /// One message item, encoded once for every peer it goes to.
 pub fn encode_message(m: &WireMessage<'_>, out: &mut Vec<u8>) {
-    let mut w = Writer { buf: std::mem::take(out) };
+    let mut w = Writer {
+        buf: std::mem::take(out),
+    };
     w.u8(ITEM_MESSAGE)
-        .u8(m.qos | (u8::from(m.retain) << 2))
+        .u8(m.qos | (u8::from(m.retain) << 2) | (u8::from(!m.plain) << 3))
         .opt_u64(m.expires_in_ms)
         .bytes(m.topic)
         .bytes(m.payload)
-        .bytes(m.props);
+        .bytes(m.props)
+        .u32(m.groups.len() as u32);
+    for g in &m.groups {
+        w.bytes(g.as_bytes());
+    }
     *out = w.buf;
 }
 
@@ -244,8 +277,7 @@ fn decompress(body: &[u8], max: usize) -> Result<Vec<u8>, BatchError> {
             "batch of {size} bytes decompressed is over {max}"
         )));
     }
-    zstd::bulk::decompress(body, size)
-        .map_err(|e| BatchError(format!("bad compressed batch: {e}")))
+    zstd::bulk::decompress(body, size).map_err(|e| BatchError(format!("bad compressed batch: {e}")))
 }
 
 fn utf8(b: &[u8]) -> Result<&str, BatchError> {
@@ -274,16 +306,27 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
         ITEM_RESYNC => Item::Resync,
         ITEM_MESSAGE => {
             let flags = r.u8()?;
-            if flags & !0b111 != 0 || flags & 0b11 == 3 {
+            if flags & !0b1111 != 0 || flags & 0b11 == 3 {
                 return Err(BatchError(format!("bad message flags 0x{flags:02x}")));
+            }
+            let expires_in_ms = r.opt_u64()?;
+            let topic = r.bytes()?;
+            let payload = r.bytes()?;
+            let props = r.bytes()?;
+            let n = r.u32()?;
+            let mut groups = Vec::new();
+            for _ in 0..n {
+                groups.push(utf8(r.bytes()?)?);
             }
             Item::Message(WireMessage {
                 qos: flags & 0b11,
                 retain: flags & 0b100 != 0,
-                expires_in_ms: r.opt_u64()?,
-                topic: r.bytes()?,
-                payload: r.bytes()?,
-                props: r.bytes()?,
+                plain: flags & 0b1000 == 0,
+                expires_in_ms,
+                topic,
+                payload,
+                props,
+                groups,
             })
         }
         tag => return Err(BatchError(format!("unknown batch item 0x{tag:02x}"))),
@@ -316,6 +359,8 @@ mod tests {
             retain: true,
             expires_in_ms: Some(1500),
             props: b"\x03\x00\x01x",
+            plain: false,
+            groups: vec!["$share/g/a/#", "$share/h/b"],
         }
     }
 
@@ -390,19 +435,45 @@ mod tests {
         assert!(Batch::decode(b"").is_err());
         assert!(Batch::decode(&[9]).is_err());
         let mut w = Writer::default();
-        w.u8(BATCH_VERSION).u8(0x80).u64(0).u64(0).u64(0).u64(0).bytes(b"");
+        w.u8(BATCH_VERSION)
+            .u8(0x80)
+            .u64(0)
+            .u64(0)
+            .u64(0)
+            .u64(0)
+            .bytes(b"");
         assert!(Batch::decode(&w.buf).is_err());
         // A message with QoS 3.
         let mut items = Writer::default();
-        items.u32(1).u8(ITEM_MESSAGE).u8(3).u8(0).bytes(b"t").bytes(b"").bytes(b"");
+        items
+            .u32(1)
+            .u8(ITEM_MESSAGE)
+            .u8(3)
+            .u8(0)
+            .bytes(b"t")
+            .bytes(b"")
+            .bytes(b"")
+            .u32(0);
         let mut w = Writer::default();
-        w.u8(BATCH_VERSION).u8(0).u64(0).u64(0).u64(0).u64(0).bytes(&items.buf);
+        w.u8(BATCH_VERSION)
+            .u8(0)
+            .u64(0)
+            .u64(0)
+            .u64(0)
+            .u64(0)
+            .bytes(&items.buf);
         assert!(Batch::decode(&w.buf).unwrap().items().is_err());
         // A count larger than the items present.
         let mut items = Writer::default();
         items.u32(1_000_000);
         let mut w = Writer::default();
-        w.u8(BATCH_VERSION).u8(0).u64(0).u64(0).u64(0).u64(0).bytes(&items.buf);
+        w.u8(BATCH_VERSION)
+            .u8(0)
+            .u64(0)
+            .u64(0)
+            .u64(0)
+            .u64(0)
+            .bytes(&items.buf);
         assert!(Batch::decode(&w.buf).unwrap().items().is_err());
     }
 
@@ -422,6 +493,8 @@ mod tests {
             retain: bool,
             expiry in proptest::option::of(any::<u64>()),
             seq: u64,
+            plain: bool,
+            shared: bool,
         ) {
             let m = WireMessage {
                 topic: &topic,
@@ -430,6 +503,8 @@ mod tests {
                 retain,
                 expires_in_ms: expiry,
                 props: b"",
+                plain,
+                groups: if shared { vec!["$share/g/#"] } else { vec![] },
             };
             let mut item = Vec::new();
             encode_message(&m, &mut item);
