@@ -51,6 +51,9 @@ other options:
                        if the certificate has it as a subjectAltName); not for connections
   --ws-path PATH       MQTT over WebSocket (subprotocol mqtt) at PATH, e.g. /mqtt; with --tls-ca:
                        secure WebSocket; not for connections
+  --sub-addrs H:P,...  fan-in/fan-out/pairs/qos1/latency/throughput: subscriber i connects to
+  --pub-addrs H:P,...  the (i mod N)th address, publishers likewise (default --host:--port):
+                       clients spread over the nodes of a cluster, or two bridged brokers
 One JSON object is printed on stdout at the end; progress and errors go to stderr.
 Exit status: 0 ok, 1 run failed (refused, connection broken...), 2 usage, 3 connections with errors.";
 
@@ -136,6 +139,10 @@ pub struct Opts {
     pub tls_server_name: Option<String>,
     /// WebSocket request path: WebSocket on.
     pub ws_path: Option<String>,
+    /// Brokers (HOST:PORT) the subscribers and the publishers connect to, round robin by
+    /// client number; empty: --host and --port. For brokers of one cluster, or bridged.
+    pub sub_addrs: Vec<String>,
+    pub pub_addrs: Vec<String>,
 }
 
 impl Opts {
@@ -192,6 +199,8 @@ impl Opts {
             tls_ca: None,
             tls_server_name: None,
             ws_path: None,
+            sub_addrs: Vec::new(),
+            pub_addrs: Vec::new(),
         }
     }
 }
@@ -199,6 +208,20 @@ impl Opts {
 fn num<T: std::str::FromStr>(key: &str, v: &str) -> Result<T, String> {
     v.parse()
         .map_err(|_| format!("--{key}: cannot parse {v:?}"))
+}
+
+/// "HOST:PORT,HOST:PORT,...".
+fn addr_list(key: &str, v: &str) -> Result<Vec<String>, String> {
+    let addrs: Vec<String> = v.split(',').map(|a| a.trim().to_string()).collect();
+    for a in &addrs {
+        let ok = a
+            .rsplit_once(':')
+            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok());
+        if !ok {
+            return Err(format!("--{key}: {a:?} is not HOST:PORT"));
+        }
+    }
+    Ok(addrs)
 }
 
 fn secs(key: &str, v: &str) -> Result<f64, String> {
@@ -278,6 +301,8 @@ pub fn parse(args: &[String]) -> Result<Opts, String> {
             "tls-ca" => o.tls_ca = Some(v.to_string()),
             "tls-server-name" => o.tls_server_name = Some(v.to_string()),
             "ws-path" => o.ws_path = Some(v.to_string()),
+            "sub-addrs" => o.sub_addrs = addr_list(k, v)?,
+            "pub-addrs" => o.pub_addrs = addr_list(k, v)?,
             _ => return Err(format!("unknown option --{k}")),
         }
     }

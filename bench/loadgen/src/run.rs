@@ -324,9 +324,24 @@ pub fn spawn<T: Send + 'static>(
         .map_err(|e| format!("cannot start thread {name}: {e}"))
 }
 
+/// The addresses of `list` ("HOST:PORT"), or the one of --host and --port.
+fn addresses(o: &Opts, list: &[String]) -> Result<Vec<std::net::SocketAddr>, String> {
+    if list.is_empty() {
+        return Ok(vec![net::resolve(&o.host, o.port)?]);
+    }
+    list.iter()
+        .map(|a| {
+            let (h, p) = a.rsplit_once(':').expect("checked by cli");
+            net::resolve(h, p.parse().expect("checked by cli"))
+        })
+        .collect()
+}
+
 pub fn run_messages(o: &Opts) -> Result<Obj, String> {
     let plan = plan(o);
     let addr = net::resolve(&o.host, o.port)?;
+    let sub_addrs = addresses(o, &o.sub_addrs)?;
+    let pub_addrs = addresses(o, &o.pub_addrs)?;
     let timeout = Duration::from_secs_f64(o.connect_timeout);
     let pid = std::process::id();
     let name = o.scenario.name();
@@ -342,7 +357,8 @@ pub fn run_messages(o: &Opts) -> Result<Obj, String> {
             Some(id) if i == 0 => (id.clone(), Session::Persistent),
             _ => (format!("fbl-{pid}-s{i}"), Session::Clean),
         };
-        let mut c = mqtt::open_with(addr, None, &id, o.protocol, session, timeout)
+        let at = sub_addrs[i % sub_addrs.len()];
+        let mut c = mqtt::open_with(at, None, &id, o.protocol, session, timeout)
             .map_err(|e| format!("subscriber {i}: {e}"))?;
         if c.session_present {
             eprintln!(
@@ -355,7 +371,8 @@ pub fn run_messages(o: &Opts) -> Result<Obj, String> {
     }
     let mut pubs = Vec::with_capacity(plan.pubs.len());
     for (i, t) in plan.pubs.iter().enumerate() {
-        let c = mqtt::open(addr, None, &format!("fbl-{pid}-p{i}"), o.protocol, timeout)
+        let at = pub_addrs[i % pub_addrs.len()];
+        let c = mqtt::open(at, None, &format!("fbl-{pid}-p{i}"), o.protocol, timeout)
             .map_err(|e| format!("publisher {i}: {e}"))?;
         let payload = vec![0x5a; o.payload];
         pubs.push((
