@@ -1,6 +1,7 @@
 """The README's cluster example, run as written: three nodes on one machine, then
-`fastbroker cluster status` shows the map. The only change: 127.0.0.1 becomes a loopback
-address of this test run's own, so the fixed ports cannot meet another broker."""
+`fastbroker cluster status` shows the map, and a subscriber on node 3 receives what a
+publisher on node 1 sends. The only change: 127.0.0.1 becomes a loopback address of this test
+run's own, so the fixed ports cannot meet another broker."""
 
 from __future__ import annotations
 
@@ -36,13 +37,19 @@ def fastbroker_argv(words: list[str]) -> list[str]:
     return [exe, *words[1:]] if exe else [sys.executable, "-m", "fastbroker", *words[1:]]
 
 
+def mosquitto_argv(words: list[str]) -> list[str]:
+    exe = shutil.which(words[0]) or f"/usr/bin/{words[0]}"
+    return [exe, *words[1:]]
+
+
 def test_readme_cluster_example(tmp_path):
     ip = f"127.{run_subnet()}.1.1"
     lines = [line.replace("127.0.0.1", ip) for line in example_lines()]
-    starts = [line for line in lines if line.endswith("&")]
-    assert len(starts) == 3
-    status_line = lines[-1]
-    assert "fastbroker cluster status" in status_line
+    starts = [line for line in lines if line.startswith("fastbroker run")]
+    assert len(starts) == 3 and all(line.endswith("&") for line in starts)
+    (status_line,) = [line for line in lines if "fastbroker cluster status" in line]
+    (sub_line,) = [line for line in lines if line.startswith("mosquitto_sub")]
+    (pub_line,) = [line for line in lines if "mosquitto_pub" in line]
     procs = []
     try:
         for line in starts:
@@ -69,10 +76,30 @@ def test_readme_cluster_example(tmp_path):
         assert "map version" in out.stdout and "256 partitions" in out.stdout, out.stdout
         rows = [ln for ln in out.stdout.splitlines() if re.match(r"n[123] ", ln)]
         assert len(rows) == 3, out.stdout
-        primaries = [int(r.split()[4]) for r in rows]
+        primaries = [int(r.split()[5]) for r in rows]
         assert sum(primaries) == 256 and max(primaries) <= 86 + 2, out.stdout
         assert sum(1 for r in rows if " leader " in r) == 1
         print("\n" + out.stdout)
+
+        # One logical broker: the subscriber on node 3 gets the publish made on node 1.
+        assert sub_line.endswith("&")
+        sub = subprocess.Popen(
+            mosquitto_argv(shlex.split(sub_line[:-1])),
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=_die_with_parent,
+        )
+        procs.append(sub)
+        time.sleep(1.0)
+        pub = subprocess.run(
+            mosquitto_argv(shlex.split(pub_line.split(";")[-1])),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert pub.returncode == 0, pub.stderr
+        got, _ = sub.communicate(timeout=10)
+        assert got == "sensors/1/temp 21.5\n"
     finally:
         for proc in procs:
             if proc.poll() is None:

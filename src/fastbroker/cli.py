@@ -245,14 +245,16 @@ def status(admin: str, as_json: bool, partitions: bool) -> None:
     print_table(rows)
     plane = data.get("data_plane") or {}
     if plane:
-        click.echo(f"links of node {data['node_id']}:")
+        click.echo(f"links of node {data['node_id']} (data plane):")
         links = data.get("links", {})
-        table = [("PEER", "LINK", "FRAMES OUT/IN", "MSGS OUT/IN", "BYTES OUT/IN", "QUEUED", "ROWS")]
+        table = [
+            ("  PEER", "LINK", "FRAMES OUT/IN", "MSGS OUT/IN", "BYTES OUT/IN", "QUEUED", "ROWS")
+        ]
         for peer, p in sorted(plane.items()):
             link = links.get(peer, {})
             table.append(
                 (
-                    peer,
+                    "  " + peer,
                     "up" if p["up"] else "down",
                     f"{link.get('frames_out', 0)}/{link.get('frames_in', 0)}",
                     f"{p['messages_out']}/{p['messages_in']}",

@@ -23,8 +23,6 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
-use bytes::Bytes;
-
 use super::router::{forwarded_props, Scope};
 use super::state::{Message, SessionId};
 use super::{ConnId, Engine};
@@ -255,6 +253,7 @@ pub(super) struct Cluster {
     /// Some batch or acknowledgement waits for `drain_cluster`.
     has_output: bool,
     scratch_peers: Vec<(PeerId, SubOpts)>,
+    scratch_targets: Vec<PeerId>,
     scratch_item: Vec<u8>,
     scratch_props: Vec<u8>,
     /// The (peer, batch) pairs the last `forward` put a reliable message in, on links up.
@@ -687,10 +686,14 @@ impl Engine {
         if let Some(p) = msg.props.as_deref() {
             codec::encode_properties(p, &mut props).expect("routed properties encode");
         }
-        let mut targets: Vec<PeerId> = c.plan.plain.clone();
-        targets.extend(c.plan.assigned.iter().map(|(p, _)| *p));
-        targets.sort_unstable();
-        targets.dedup();
+        let mut targets = std::mem::take(&mut c.scratch_targets);
+        targets.clear();
+        targets.extend_from_slice(&c.plan.plain);
+        if !c.plan.assigned.is_empty() {
+            targets.extend(c.plan.assigned.iter().map(|(p, _)| *p));
+            targets.sort_unstable();
+            targets.dedup();
+        }
         let reliable = msg.qos != QoS::AtMostOnce || msg.retain;
         let epoch = c.epoch;
         let mut item = std::mem::take(&mut c.scratch_item);
@@ -740,7 +743,9 @@ impl Engine {
         c.has_output |= !targets.is_empty();
         c.scratch_item = item;
         c.scratch_props = props;
-        targets.len()
+        let n = targets.len();
+        c.scratch_targets = targets;
+        n
     }
 
     /// Sends the PUBACK or PUBREC of a publish just routed, or, if `forward` put it in
@@ -875,9 +880,14 @@ fn message_from_wire(m: &WireMessage<'_>, now: u64) -> Result<Message, String> {
             .map_err(|e| format!("forwarded message with bad properties: {e:?}"))?;
         p.into_boxed().and_then(forwarded_props)
     };
+    // Topic and payload in one allocation of their own, as for a client's publish.
+    let mut buf = bytes::BytesMut::with_capacity(m.topic.len() + m.payload.len());
+    buf.extend_from_slice(m.topic);
+    buf.extend_from_slice(m.payload);
+    let buf = buf.freeze();
     Ok(Message {
-        topic: Bytes::copy_from_slice(m.topic),
-        payload: Bytes::copy_from_slice(m.payload),
+        topic: buf.slice(..m.topic.len()),
+        payload: buf.slice(m.topic.len()..),
         qos: QoS::from_u8(m.qos).ok_or("forwarded message with a bad QoS")?,
         retain: m.retain,
         props,

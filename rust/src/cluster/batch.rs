@@ -218,15 +218,16 @@ pub fn encode_message(m: &WireMessage<'_>, out: &mut Vec<u8>) {
 
 /// A decoded batch: its header and the items' bytes (decompressed if need be), read with
 /// [`Batch::items`].
-pub struct Batch {
+pub struct Batch<'a> {
     pub header: Header,
-    items: Vec<u8>,
+    /// Borrowed from the frame's value, or decompressed.
+    items: std::borrow::Cow<'a, [u8]>,
 }
 
-impl Batch {
+impl<'a> Batch<'a> {
     /// Decodes the value of a [`DATA_FRAME`]. Checks the header and decompresses; the items
     /// are checked as they are read.
-    pub fn decode(data: &[u8]) -> Result<Batch, BatchError> {
+    pub fn decode(data: &'a [u8]) -> Result<Batch<'a>, BatchError> {
         let mut r = Reader::new(data);
         let version = r.u8()?;
         if version != BATCH_VERSION {
@@ -245,9 +246,9 @@ impl Batch {
         let body = r.bytes()?;
         r.finish()?;
         let items = if flags & FLAG_ZSTD != 0 {
-            decompress(body, MAX_BATCH)?
+            std::borrow::Cow::Owned(decompress(body, MAX_BATCH)?)
         } else {
-            body.to_vec()
+            std::borrow::Cow::Borrowed(body)
         };
         Ok(Batch { header, items })
     }
@@ -380,7 +381,8 @@ mod tests {
             ack_epoch: 3,
             ack_seq: 4,
         };
-        let batch = Batch::decode(&body_of(&w.finish(header))).unwrap();
+        let body = body_of(&w.finish(header));
+        let batch = Batch::decode(&body).unwrap();
         assert_eq!(batch.header, header);
         assert_eq!(
             batch.items().unwrap(),
@@ -416,7 +418,8 @@ mod tests {
         let plain = w.len();
         let frame = w.finish(Header::default());
         assert!(frame.len() < plain / 4, "{} of {plain}", frame.len());
-        let batch = Batch::decode(&body_of(&frame)).unwrap();
+        let body = body_of(&frame);
+        let batch = Batch::decode(&body).unwrap();
         assert_eq!(batch.items().unwrap().len(), 1000);
     }
 
@@ -511,7 +514,8 @@ mod tests {
             let mut w = ItemWriter::default();
             w.raw_item(&item);
             let header = Header { epoch: 5, seq, ack_epoch: 0, ack_seq: 0 };
-            let batch = Batch::decode(&body_of(&w.finish(header))).unwrap();
+            let body = body_of(&w.finish(header));
+        let batch = Batch::decode(&body).unwrap();
             prop_assert_eq!(batch.header, header);
             prop_assert_eq!(batch.items().unwrap(), vec![Item::Message(m)]);
         }
