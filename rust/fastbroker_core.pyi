@@ -275,9 +275,11 @@ class Engine:
         """Publishes a message from the broker itself (for example ``$SYS`` topics)."""
     def has_output(self) -> bool:
         """Whether ``drain`` has anything to return."""
-    def drain(self) -> list[tuple[int, bytes, bool]]:
+    def drain(self) -> list[tuple[int, bytes, int]]:
         """Output since the last call: ``(conn, data, close)`` per connection, ``data``
-        possibly empty; ``close`` asks the caller to close after writing ``data``."""
+        possibly empty; ``close`` is 0 (keep it open), 1 (close after writing ``data``: the
+        client asked) or 2 (the broker ends it: write ``data``, half-close, and read until
+        the client closes or a short linger passes)."""
     def set_wall_clock(self, wall_ms: int, now_ms: int) -> None:
         """Pairs the wall-clock time (ms since the epoch) with the monotonic ``now_ms``: stored
         times are wall-clock. Call at start and now and then (the clocks drift)."""

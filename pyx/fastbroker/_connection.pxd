@@ -67,6 +67,8 @@ cdef class Server:
     # The cluster's data plane (fastbroker.cluster.dataplane.DataPlane.send), or None: called
     # by flush with the frames the engine made for other nodes, after the store batch.
     cdef public object cluster_output
+    # Connection -> the timer that cuts it off at the end of its linger.
+    cdef dict lingering
 
     cpdef schedule_flush(self)
     cpdef flush(self)
@@ -102,8 +104,8 @@ cdef class Connection:
     # "cert_cn", "use_identity_as_username", "transport", "proxy"; None if not from one.
     cdef public object info
     # Half-closed after the broker's last packet, waiting for the client to close (linger).
+    # (Its timer is in Server.lingering: no field per connection for the rare case.)
     cdef readonly bint lingering
-    cdef object linger_handle
 
     cdef linger(self)
     cdef pause(self)

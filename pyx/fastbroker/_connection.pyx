@@ -32,6 +32,8 @@ DEFAULT_READ_BUDGET = 256 * 1024
 STORE_RETRY_INTERVAL = 1.0
 # How long a connection the broker closes is still read, so the client gets its last packet.
 DEFAULT_CLOSE_LINGER = 1.0
+# Engine.drain's close value for a close on the broker's initiative (fastbroker_core).
+cdef int CLOSE_LINGER = 2
 
 
 cdef uint64_t monotonic_now_ms() noexcept nogil:
@@ -90,6 +92,7 @@ cdef class Server:
         self.shutting_down = False
         self.close_linger = DEFAULT_CLOSE_LINGER
         self.cluster_output = None
+        self.lingering = {}
 
     def new_connection(self):
         """Protocol factory for ``loop.create_server``."""
@@ -164,8 +167,11 @@ cdef class Server:
                             and connection.transport.get_write_buffer_size()
                             > self.write_buffer_high):
                         connection.pause()
-                if close:
+                if close == CLOSE_LINGER:
                     connection.linger()
+                elif close:
+                    # The client asked (DISCONNECT): close() still sends what write() buffered.
+                    connection.transport.close()
             except Exception:
                 logger.exception("writing to connection %d failed; aborting it", conn_id)
                 connection.transport.abort()
@@ -454,7 +460,6 @@ cdef class Connection:
         self.admitted = False
         self.info = None
         self.lingering = False
-        self.linger_handle = None
 
     cdef bint may_read(self):
         return not (self.reading_paused or self.held or self.memory_held)
@@ -535,10 +540,10 @@ cdef class Connection:
         self.held = False
         self.reading_paused = False
         transport.resume_reading()
-        self.linger_handle = server.loop.call_later(server.close_linger, self.linger_expired)
+        server.lingering[self] = server.loop.call_later(server.close_linger, self.linger_expired)
 
     def linger_expired(self):
-        self.linger_handle = None
+        self.server.lingering.pop(self, None)
         if self.transport is not None:
             self.transport.abort()
 
@@ -550,9 +555,10 @@ cdef class Connection:
             return
         self.transport = None
         server.socket_count -= 1
-        if self.linger_handle is not None:
-            self.linger_handle.cancel()
-            self.linger_handle = None
+        if self.lingering:
+            handle = server.lingering.pop(self, None)
+            if handle is not None:
+                handle.cancel()
         if self.paused:
             self.paused = False
             server.paused.discard(self)

@@ -157,7 +157,7 @@ impl Harness {
             let mut closing = Vec::new();
             self.engine.drain(|id, out, close| {
                 assert!(well_formed(out), "engine wrote a broken packet: {out:02x?}");
-                if close {
+                if close != 0 {
                     closing.push(id);
                 }
             });

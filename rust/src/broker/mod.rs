@@ -45,6 +45,14 @@ use crate::codec::{self, Ack, Disconnect, Packet, Properties, Protocol};
 use crate::topics::{RetainedTree, SubscriptionIndex};
 use state::{Conn, ConnState, Message, Session};
 
+/// `drain`'s close argument: keep the connection open.
+pub const CLOSE_NO: u8 = 0;
+/// Close once `data` is written: the client asked to (DISCONNECT).
+pub const CLOSE_NOW: u8 = 1;
+/// Close on the broker's initiative: write `data`, half-close and read until the client
+/// closes (or a short linger passes), so the client reads why instead of a reset.
+pub const CLOSE_LINGER: u8 = 2;
+
 /// Reads up to this many bytes give their emptied read buffer back (see `feed`).
 const RX_RELEASE_BELOW: usize = 4096;
 
@@ -291,14 +299,20 @@ impl Engine {
         !self.dirty.is_empty() || self.has_cluster_output()
     }
 
-    /// Calls `f(conn, bytes, close)` for every connection with output or a close request.
-    pub fn drain(&mut self, mut f: impl FnMut(ConnId, &[u8], bool)) {
+    /// Calls `f(conn, bytes, close)` for every connection with output or a close request;
+    /// `close` is CLOSE_NO, CLOSE_NOW (the client asked) or CLOSE_LINGER (the broker ends it).
+    pub fn drain(&mut self, mut f: impl FnMut(ConnId, &[u8], u8)) {
         let dirty = std::mem::take(&mut self.dirty);
         for &id in &dirty {
             if let Some(Some(conn)) = self.conns.get_mut(id as usize) {
                 conn.dirty = false;
                 self.stats.bytes_sent += conn.out.len() as u64;
-                f(id, &conn.out, conn.close_after_write);
+                let close = match (conn.close_after_write, conn.client_closed) {
+                    (false, _) => CLOSE_NO,
+                    (true, true) => CLOSE_NOW,
+                    (true, false) => CLOSE_LINGER,
+                };
+                f(id, &conn.out, close);
                 conn.out.clear();
                 // A large burst should not pin its peak buffer for the connection's lifetime.
                 if conn.out.capacity() > 1 << 20 {
@@ -660,6 +674,9 @@ impl Engine {
         let with_will = d.reason_code == 0x04;
         let detail = format!("client DISCONNECT 0x{:02x}", d.reason_code);
         self.close_logged(id, None, d.reason_code, &detail, with_will, now);
+        if let Some(conn) = self.conn_mut(id) {
+            conn.client_closed = true;
+        }
     }
 
     /// PUBACK/PUBREC/PUBREL/PUBCOMP encoding helper.

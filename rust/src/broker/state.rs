@@ -93,6 +93,8 @@ pub struct Conn {
     /// Bytes to write, handed out by `drain`.
     pub out: Vec<u8>,
     pub close_after_write: bool,
+    /// The client asked to close (DISCONNECT): the caller closes at once, no linger.
+    pub client_closed: bool,
     /// Whether the connection is in the engine's dirty list.
     pub dirty: bool,
     /// False while the transport's write buffer is above its high-water mark.
@@ -156,6 +158,7 @@ impl Conn {
             rx: BytesMut::new(),
             out: Vec::new(),
             close_after_write: false,
+            client_closed: false,
             dirty: false,
             writable: true,
             session: None,

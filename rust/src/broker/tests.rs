@@ -47,7 +47,7 @@ impl Harness {
 
     /// Everything the engine wrote to each connection since the last call, decoded.
     pub(super) fn recv(&mut self) -> HashMap<ConnId, Vec<Packet>> {
-        let mut raw: Vec<(ConnId, Vec<u8>, bool)> = Vec::new();
+        let mut raw: Vec<(ConnId, Vec<u8>, u8)> = Vec::new();
         self.e
             .drain(|id, data, close| raw.push((id, data.to_vec(), close)));
         let mut out: HashMap<ConnId, Vec<Packet>> = HashMap::new();
@@ -57,7 +57,7 @@ impl Harness {
             while let Some(p) = codec::decode(buf, self.protocols[&id], usize::MAX).unwrap() {
                 out.entry(id).or_default().push(p);
             }
-            if close {
+            if close != 0 {
                 self.e.closed(id, self.now);
                 self.closed.push(id);
             }
