@@ -81,6 +81,22 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
+def round_trip(publisher_node: Node, subscriber_node: Node, payload: bytes) -> bool:
+    """A QoS 1 message published on one node reaches a subscriber on the other."""
+    topic = unique("trip")
+    sub = Client(endpoint(subscriber_node), client_id=unique("tripsub"), version=5)
+    sub.connect()
+    sub.subscribe(topic, qos=1)
+    wait_rows(publisher_node, subscriber_node.node_id, 1)
+    pub = Client(endpoint(publisher_node), client_id=unique("trippub"), version=5)
+    pub.connect()
+    pub.publish(topic, payload, qos=1)
+    got = sub.expect_one(5.0).payload
+    pub.disconnect()
+    sub.disconnect()
+    return got == payload
+
+
 # ------------------------------------------------------------------ differential
 
 
@@ -374,17 +390,7 @@ def test_a_peer_sending_malformed_batches_is_dropped_and_changes_nothing(nodes):
     assert "malformed data batch: invalid route filter" in log
     assert {p: plane(n2, p)["route_rows"] for p in ("n1", "n3")} == rows_before
     # n2 still routes what n1 forwards.
-    topic = unique("after")
-    sub = Client(endpoint(n2), client_id=unique("after"), version=5)
-    sub.connect()
-    sub.subscribe(topic, qos=1)
-    wait_rows(n1, "n2", 1)
-    pub = Client(endpoint(n1), client_id=unique("afterpub"), version=5)
-    pub.connect()
-    pub.publish(topic, b"still", qos=1)
-    assert sub.expect_one(5.0).payload == b"still"
-    pub.disconnect()
-    sub.disconnect()
+    assert round_trip(n1, n2, b"still")
 
 
 def bad_route_batch() -> bytes:
@@ -439,15 +445,7 @@ def test_links_over_tls_with_mutual_authentication(tmp_path):
         n3 = cluster.start(3, wait=False, join=cluster.seeds(1), **tls(3, other_ca))
         cluster.wait_converged(["n1", "n2"], 30, on=[n1, n2])
         wait_for(lambda: links_up(n1, ["n2"]) and links_up(n2, ["n1"]), 15, "TLS link", n1, n2)
-        topic = unique("tls")
-        sub = Client(endpoint(n2), client_id=unique("tlssub"), version=5)
-        sub.connect()
-        sub.subscribe(topic, qos=1)
-        wait_rows(n1, "n2", 1)
-        pub = Client(endpoint(n1), client_id=unique("tlspub"), version=5)
-        pub.connect()
-        pub.publish(topic, b"secret", qos=1)
-        assert sub.expect_one(5.0).payload == b"secret"
+        assert round_trip(n1, n2, b"secret")
         status1 = n1.status()
         assert status1 is not None and status1["links"]["n2"]["tls"] in ("TLSv1.2", "TLSv1.3")
         # n3 holds the secret but not a certificate of the cluster's CA: never linked.
@@ -455,5 +453,3 @@ def test_links_over_tls_with_mutual_authentication(tmp_path):
         assert status3 is not None and not status3["member"]
         assert status3["data_plane"] == {}
         assert "n3" not in (n1.status() or {}).get("data_plane", {})
-        pub.disconnect()
-        sub.disconnect()

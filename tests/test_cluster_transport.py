@@ -121,45 +121,21 @@ def test_protocol_version_negotiated():
     run(main())
 
 
-def test_a_node_of_the_release_before_the_data_plane_is_refused():
-    # Version 1 nodes cannot carry routes and forwarded messages: refused at handshake,
-    # with the reason in both logs.
+@pytest.mark.parametrize(
+    ("versions", "node"),
+    # A future node; one of the release before the data plane, which cannot carry routes
+    # and forwarded messages.
+    [([5, 6], "future"), ([1, 1], "old")],
+)
+def test_no_common_version_is_refused_with_a_reason(versions, node):
     async def main() -> None:
         b = await Peer("b").listen()
         reader, writer = await asyncio.open_connection(*b.address)
         hello = {
             "magic": tr.MAGIC,
-            "versions": [1, 1],
+            "versions": versions,
             "cluster": "c",
-            "node": "old",
-            "address": "",
-            "nonce": b"n" * 16,
-        }
-        writer.write(fastbroker_core.encode_frame(tr.HELLO, hello))
-        decoder = fastbroker_core.FrameDecoder()
-        frames: list[tuple[int, Any]] = []
-        while True:
-            data = await asyncio.wait_for(reader.read(65536), 5)
-            if not data:
-                break
-            frames += decoder.feed(data)
-        assert [k for k, _ in frames] == [tr.HELLO, tr.REJECT]
-        assert frames[1][1]["reason"] == "no common protocol version: ours 2-2, theirs 1-1"
-        writer.close()
-        await b.transport.close()
-
-    run(main())
-
-
-def test_no_common_version_is_refused_with_a_reason():
-    async def main() -> None:
-        b = await Peer("b").listen()
-        reader, writer = await asyncio.open_connection(*b.address)
-        hello = {
-            "magic": tr.MAGIC,
-            "versions": [5, 6],
-            "cluster": "c",
-            "node": "future",
+            "node": node,
             "address": "",
             "nonce": b"n" * 16,
         }
@@ -173,7 +149,9 @@ def test_no_common_version_is_refused_with_a_reason():
             frames += decoder.feed(data)
         kinds = [k for k, _ in frames]
         assert kinds == [tr.HELLO, tr.REJECT]
-        assert "no common protocol version" in frames[1][1]["reason"]
+        theirs = f"{versions[0]}-{versions[1]}"
+        reason = f"no common protocol version: ours 2-{tr.PROTOCOL_MAX}, theirs {theirs}"
+        assert frames[1][1]["reason"] == reason
         writer.close()
         assert not b.ups
         await b.transport.close()

@@ -335,6 +335,12 @@ class BrokerCollector:
     def dataplane_metrics(self, dataplane: Any) -> Iterator[Metric]:
         """Routes and forwarded messages per peer (fastbroker.cluster.dataplane)."""
         peers = sorted(dataplane.stats().items())
+
+        def per_peer(family: Any, field: str) -> Any:
+            for peer, stats in peers:
+                family.add_metric([peer], stats[field])
+            return family
+
         families = (
             ("cluster_messages_forwarded", "messages_out", "Messages forwarded to a peer node"),
             ("cluster_messages_received", "messages_in", "Messages forwarded by a peer node"),
@@ -347,10 +353,7 @@ class BrokerCollector:
             ),
         )
         for name, field, doc in families:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["peer"])
-            for peer, stats in peers:
-                family.add_metric([peer], stats[field])
-            yield family
+            yield per_peer(CounterMetricFamily(PREFIX + name, doc, labels=["peer"]), field)
         gauges = (
             ("cluster_route_rows", "route_rows", "Route rows (topic filters) held for a peer"),
             (
@@ -360,10 +363,7 @@ class BrokerCollector:
             ),
         )
         for name, field, doc in gauges:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["peer"])
-            for peer, stats in peers:
-                family.add_metric([peer], stats[field])
-            yield family
+            yield per_peer(GaugeMetricFamily(PREFIX + name, doc, labels=["peer"]), field)
         yield gauge(
             "cluster_local_route_rows",
             "Route rows this node announces (distinct filters of its sessions)",

@@ -138,18 +138,15 @@ impl ItemWriter {
     }
 
     pub fn route_add(&mut self, version: u64, filter: &str) {
-        self.w
-            .u8(ITEM_ROUTE_ADD)
-            .u64(version)
-            .bytes(filter.as_bytes());
-        self.count += 1;
+        self.route_row(ITEM_ROUTE_ADD, version, filter);
     }
 
     pub fn route_remove(&mut self, version: u64, filter: &str) {
-        self.w
-            .u8(ITEM_ROUTE_REMOVE)
-            .u64(version)
-            .bytes(filter.as_bytes());
+        self.route_row(ITEM_ROUTE_REMOVE, version, filter);
+    }
+
+    fn route_row(&mut self, item: u8, version: u64, filter: &str) {
+        self.w.u8(item).u64(version).bytes(filter.as_bytes());
         self.count += 1;
     }
 

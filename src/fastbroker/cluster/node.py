@@ -221,6 +221,8 @@ class ClusterNode:
         # Peers ping every heartbeat: a link silent this long is half-open (peer gone).
         self.transport.idle_timeout_s = settings.failure_timeout_ms / 1000
         self.dataplane: DataPlane | None = None
+        # (count, when) of the last count of connected clients.
+        self.clients_counted = (0, -1_000_000)
         if engine is not None and server is not None:
             self.dataplane = DataPlane(engine, server, self.transport)
             self.transport.on_peer_up = self.dataplane.link_up
@@ -758,10 +760,15 @@ class ClusterNode:
     # -- admin -----------------------------------------------------------------------------
 
     def clients(self) -> int | None:
-        """MQTT clients connected to this node (None without the data plane)."""
+        """MQTT clients connected to this node (None without the data plane), counted at most
+        once a second: the count walks every session, and pings go out every heartbeat."""
         if self.dataplane is None:
             return None
-        return int(self.dataplane.engine.stats()["clients_connected"])
+        now = monotonic_ms()
+        if now - self.clients_counted[1] >= 1000:
+            count = int(self.dataplane.engine.stats()["clients_connected"])
+            self.clients_counted = (count, now)
+        return self.clients_counted[0]
 
     def status(self) -> dict[str, Any]:
         raft = self.raft
