@@ -61,12 +61,7 @@ impl Nodes {
                         continue;
                     }
                     moved = true;
-                    let mut d = FrameDecoder::new(usize::MAX >> 1);
-                    d.extend(&frame);
-                    let (_, value) = d.next_raw().unwrap().unwrap();
-                    let Value::Bytes(body) = Value::decode(value).unwrap() else {
-                        panic!("not bytes")
-                    };
+                    let body = body_of(&frame);
                     let from = self.peer[j][i];
                     let now = self.h[j].now;
                     self.h[j].e.cluster_feed(from, &body, now).unwrap();
@@ -105,6 +100,17 @@ impl Nodes {
         let stats = self.h[node].e.cluster_stats();
         stats.into_iter().find(|s| s.0 == p).unwrap().3
     }
+}
+
+/// The batch inside one data frame, as the link layer hands it to the engine.
+fn body_of(frame: &[u8]) -> Vec<u8> {
+    let mut d = FrameDecoder::new(usize::MAX >> 1);
+    d.extend(frame);
+    let (_, value) = d.next_raw().unwrap().unwrap();
+    let Value::Bytes(body) = Value::decode(value).unwrap() else {
+        panic!("not bytes")
+    };
+    body
 }
 
 fn payloads(packets: &[Packet]) -> Vec<String> {
@@ -291,12 +297,7 @@ fn a_cut_link_loses_no_qos1_or_qos2_and_duplicates_no_qos2() {
     let mut frames = Vec::new();
     n.h[0].e.drain_cluster(|_, f| frames.push(f.to_vec()));
     assert_eq!(frames.len(), 1);
-    let mut d = FrameDecoder::new(usize::MAX >> 1);
-    d.extend(&frames[0]);
-    let (_, value) = d.next_raw().unwrap().unwrap();
-    let Value::Bytes(body) = Value::decode(value).unwrap() else {
-        panic!()
-    };
+    let body = body_of(&frames[0]);
     let now = n.h[1].now;
     n.h[1].e.cluster_feed(n.peer[1][0], &body, now).unwrap();
     n.cut_link(0, 1);
@@ -344,12 +345,7 @@ fn a_malformed_batch_changes_nothing() {
         ack_epoch: 0,
         ack_seq: 0,
     });
-    let mut d = FrameDecoder::new(usize::MAX >> 1);
-    d.extend(&frame);
-    let (_, value) = d.next_raw().unwrap().unwrap();
-    let Value::Bytes(body) = Value::decode(value).unwrap() else {
-        panic!()
-    };
+    let body = body_of(&frame);
     let e = n.h[0].e.cluster_feed(peer, &body, 0).unwrap_err();
     assert!(e.contains("invalid route filter"), "{e}");
     assert_eq!(n.rows(0, 1), 0);

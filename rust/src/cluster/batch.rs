@@ -430,18 +430,24 @@ mod tests {
         assert!(decompress(b"\x28\xb5\x2f\xfd\x00\x00", 1024).is_err());
     }
 
+    /// A batch with a zero header, these flags and these item bytes, made by hand.
+    fn raw_batch(flags: u8, items: &[u8]) -> Writer {
+        let mut w = Writer::default();
+        w.u8(BATCH_VERSION)
+            .u8(flags)
+            .u64(0)
+            .u64(0)
+            .u64(0)
+            .u64(0)
+            .bytes(items);
+        w
+    }
+
     #[test]
     fn bad_headers_and_items_are_errors() {
         assert!(Batch::decode(b"").is_err());
         assert!(Batch::decode(&[9]).is_err());
-        let mut w = Writer::default();
-        w.u8(BATCH_VERSION)
-            .u8(0x80)
-            .u64(0)
-            .u64(0)
-            .u64(0)
-            .u64(0)
-            .bytes(b"");
+        let w = raw_batch(0x80, b"");
         assert!(Batch::decode(&w.buf).is_err());
         // A message with QoS 3.
         let mut items = Writer::default();
@@ -454,26 +460,12 @@ mod tests {
             .bytes(b"")
             .bytes(b"")
             .u32(0);
-        let mut w = Writer::default();
-        w.u8(BATCH_VERSION)
-            .u8(0)
-            .u64(0)
-            .u64(0)
-            .u64(0)
-            .u64(0)
-            .bytes(&items.buf);
+        let w = raw_batch(0, &items.buf);
         assert!(Batch::decode(&w.buf).unwrap().items().is_err());
         // A count larger than the items present.
         let mut items = Writer::default();
         items.u32(1_000_000);
-        let mut w = Writer::default();
-        w.u8(BATCH_VERSION)
-            .u8(0)
-            .u64(0)
-            .u64(0)
-            .u64(0)
-            .u64(0)
-            .bytes(&items.buf);
+        let w = raw_batch(0, &items.buf);
         assert!(Batch::decode(&w.buf).unwrap().items().is_err());
     }
 
