@@ -162,9 +162,10 @@ class Engine:
     def close_all(self, detail: str, now_ms: int) -> None:
         """The broker is stopping: every connection is asked to close (see ``drain``), MQTT 5
         clients first getting DISCONNECT 0x8B; wills are published."""
-    def cluster_start(self, epoch: int) -> None:
+    def cluster_start(self, epoch: int, node: str) -> None:
         """Turns the cluster part on; ``epoch`` is this process's incarnation (random,
-        non-zero), so peers tell its batches from those of an earlier run."""
+        non-zero), so peers tell its batches from those of an earlier run; ``node`` is the
+        node's id, the same on every start (it orders concurrent retained writes)."""
     def cluster_add_peer(self, name: str) -> int:
         """The number of peer node ``name`` (the same for the same name), added if new."""
     def cluster_remove_peer(self, peer: int) -> None:
@@ -187,7 +188,8 @@ class Engine:
         changes nothing (drop the link)."""
     def cluster_stats(self) -> list[dict[str, Any]]:
         """Per peer: node_id, up, frames/messages/bytes in and out, resent, dropped,
-        route_rows, unacked_bytes."""
+        route_rows, unacked_bytes, retained_synced (its retained set has arrived since its
+        link came up)."""
     def cluster_local_rows(self) -> int:
         """Route rows this node announces (distinct filters of its sessions)."""
     def take_resumed(self) -> list[int]:

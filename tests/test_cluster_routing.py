@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
 import threading
 import time
 import uuid
@@ -325,10 +326,35 @@ def test_a_cut_link_loses_nothing_acknowledged_and_duplicates_no_qos2(nodes, qos
     subscriber.disconnect()
 
 
-def test_a_node_killed_mid_stream_stalls_no_publisher(tmp_path):
+def serving(node: Node) -> bool:
+    """The node's MQTT port accepts connections."""
+    try:
+        socket.create_connection((node.ip, node.mqtt_port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
+
+
+def retained_values(node: Node, filter_: str, quiet: float = 0.5) -> dict[str, bytes]:
+    """topic -> payload of what a new subscriber to `filter_` on `node` gets as retained."""
+    reader = Client(endpoint(node), client_id=unique("rread"), version=5)
+    reader.connect()
+    reader.subscribe(filter_, qos=0)
+    got = {m.topic: m.payload for m in reader.drain(quiet)}
+    reader.disconnect()
+    return got
+
+
+def test_a_node_killed_mid_stream_stalls_no_publisher_and_comes_back_with_the_retained_set(
+    tmp_path,
+):
     with Cluster(tmp_path) as cluster:
         n1, n2, n3 = start_cluster(cluster, 3)
         topic = unique("kill")
+        root = unique("back")
+        publisher = Client(endpoint(n1), client_id=unique("kpub"), version=5)
+        publisher.connect()
+        publisher.publish(f"{root}/gone", b"old", qos=1, retain=True)
         subs = {}
         for node in (n2, n3):
             c = Client(endpoint(node), client_id=unique("ksub"), version=5)
@@ -337,16 +363,65 @@ def test_a_node_killed_mid_stream_stalls_no_publisher(tmp_path):
             subs[node.node_id] = c
             wait_rows(n1, node.node_id, 1)
         time.sleep(0.2)
-        publisher = Client(endpoint(n1), client_id=unique("kpub"), version=5)
-        publisher.connect()
         started = time.monotonic()
         acked = stream(publisher, topic, 1, 300, lambda i: i == 100 and n3.kill())
         # Acknowledgements did not wait for the dead node (nor for the failure timeout).
         assert time.monotonic() - started < 15
         got = [m.payload for m in subs["n2"].drain(2.0)]
         assert got == acked
-        publisher.disconnect()
         subs["n2"].disconnect()
+
+        # While n3 is dead: retained messages set and one it holds deleted. Back, it has
+        # the cluster's retained set before it serves its first subscribe.
+        for i in range(40):
+            publisher.publish(f"{root}/{i}", f"v{i}".encode(), qos=1, retain=True)
+        publisher.publish(f"{root}/gone", b"", qos=1, retain=True)
+        publisher.disconnect()
+        # Its peers refuse its links at first: it must not serve clients meanwhile.
+        for node in (n1, n2):
+            node.block(["n3"])
+        cluster.start(3, join=cluster.seeds(1))
+        assert not serving(n3)
+        for node in (n1, n2):
+            node.block([])
+        wait_for(lambda: serving(n3), 20, "n3 serving", n3)
+        got = retained_values(n3, f"{root}/#")
+        assert sorted(got) == sorted(f"{root}/{i}" for i in range(40))
+        assert got[f"{root}/7"] == b"v7"
+
+
+def test_concurrent_retained_writes_on_different_nodes_end_in_one_value(nodes):
+    n1, n2, n3 = nodes
+    root = unique("race")
+    topics = [f"{root}/{i}" for i in range(20)]
+    writers = [Client(endpoint(n), client_id=unique("rw"), version=5) for n in (n1, n2, n3)]
+    for w in writers:
+        w.connect()
+    start = threading.Barrier(len(writers))
+
+    def write(w: Client, k: int) -> None:
+        start.wait()
+        infos = []
+        for round_ in range(5):
+            for t in topics:
+                # Some writes delete: deletions race with sets too.
+                payload = b"" if (round_ + k) % 3 == 0 else f"w{k}-{round_}".encode()
+                infos.append(w.publish(t, payload, qos=1, retain=True, wait=False))
+        for info in infos:
+            info.wait_for_publish(10)
+
+    threads = [threading.Thread(target=write, args=(w, k)) for k, w in enumerate(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for w in writers:
+        w.disconnect()
+    time.sleep(0.5)
+    values = [retained_values(n, f"{root}/#") for n in (n1, n2, n3)]
+    assert values[0] == values[1] == values[2]
+    # Each value is the last write of one of the writers (or a deletion).
+    assert all(v.decode().endswith("-4") for v in values[0].values()), values[0]
 
 
 def test_a_peer_sending_malformed_batches_is_dropped_and_changes_nothing(nodes):

@@ -292,17 +292,22 @@ def _batch(items: list[bytes], seq: int = 1, ack: int = 0) -> bytes:
 def _message(
     topic: bytes, payload: bytes, flags: int, expiry: int | None = None, groups: tuple = ()
 ) -> bytes:
+    # A retained message carries its stamp (clock, node) and flag 0x10.
+    stamp = b""
+    if flags & 0b100:
+        flags |= 0b1_0000
+        stamp = (5 << 16).to_bytes(8, "little") + (9).to_bytes(8, "little")
     expiry_field = b"\x00" if expiry is None else b"\x01" + expiry.to_bytes(8, "little")
     # Properties block as the codec encodes it: a user property ("k", "v").
     props = b"\x07\x26\x00\x01k\x00\x01v"
     body = _field(topic) + _field(payload) + _field(props)
     body += len(groups).to_bytes(4, "little") + b"".join(_field(g) for g in groups)
-    return b"\x05" + bytes([flags]) + expiry_field + body
+    return b"\x05" + bytes([flags]) + stamp + expiry_field + body
 
 
 def cluster_batch_seeds() -> dict[str, bytes]:
-    """Route rows (snapshot, add, remove, resync), messages of every QoS, retained, with
-    expiry and properties, and an acknowledgement-only batch."""
+    """Route rows (snapshot, add, remove, resync), messages of every QoS, retained (stamped),
+    with expiry and properties, a retained set, and an acknowledgement-only batch."""
     snapshot = b"\x01" + (1).to_bytes(8, "little") + (2).to_bytes(4, "little")
     snapshot += _field(b"a/+/c") + _field(b"#")
     add = b"\x02" + (2).to_bytes(8, "little") + _field(b"x/y")
@@ -317,6 +322,11 @@ def cluster_batch_seeds() -> dict[str, bytes]:
                 _message(b"r/1", b"kept", 0b101),
                 _message(b"s/1", b"shared", 0b1001, groups=(b"$share/g/s/#",)),
             ]
+        ),
+        # A peer's retained set as sent on link up: kept only (plain off), a tombstone,
+        # then "retained set sent".
+        "retained_set": _batch(
+            [_message(b"r/1", b"kept", 0b1100), _message(b"r/2", b"", 0b1100), b"\x06"]
         ),
         "ack_only": _batch([], seq=0, ack=3),
     }

@@ -315,8 +315,8 @@ impl PyEngine {
 
     // -- the cluster part (crate::broker::cluster) ---------------------------------------
 
-    fn cluster_start(&mut self, epoch: u64) {
-        self.inner.cluster_start(epoch)
+    fn cluster_start(&mut self, epoch: u64, node: &str) {
+        self.inner.cluster_start(epoch, node)
     }
 
     fn cluster_add_peer(&mut self, name: &str) -> u16 {
@@ -380,6 +380,7 @@ impl PyEngine {
             d.set_item("dropped", s.dropped)?;
             d.set_item("route_rows", s.rows)?;
             d.set_item("unacked_bytes", s.unacked_bytes)?;
+            d.set_item("retained_synced", s.retained_synced)?;
             list.append(d)?;
         }
         Ok(list)

@@ -987,6 +987,11 @@ impl<V> RetainedTree<V> {
         }
     }
 
+    /// Every value, in no particular order.
+    pub fn values(&self) -> impl Iterator<Item = &V> {
+        self.nodes.iter().filter_map(|n| n.value.as_ref())
+    }
+
     /// Removes every value for which `keep` returns false (used to drop expired messages).
     pub fn retain(&mut self, mut keep: impl FnMut(&V) -> bool) {
         // Pruning frees only nodes without a value, so the rest of the scan is unaffected.

@@ -152,7 +152,8 @@ class Readiness:
 
     Built once the store is open and restored. Not ready while: shutdown has begun
     (`stopping` is set), a listener is not serving (before the start, or closed), the store is
-    closed or its writes fail, or, for a cluster node, it is not a member of a cluster map.
+    closed or its writes fail, or, for a cluster node, it is not a member of a cluster map or
+    a reachable member's retained set has not arrived yet.
     """
 
     def __init__(
@@ -184,6 +185,9 @@ class Readiness:
             status = self.cluster.status()
             if not status.get("member") or status.get("map_version") is None:
                 reasons.append("not a member of a cluster map yet")
+            pending = self.cluster.retained_pending(True)
+            if pending:
+                reasons.append(f"retained messages of {', '.join(pending)} not received yet")
         return reasons
 
 

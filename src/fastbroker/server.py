@@ -238,6 +238,9 @@ async def run_server(
         if cluster is not None:
             await cluster.stop()
         raise
+    if cluster is not None:
+        # A node that comes back answers its first subscribes with the cluster's retained set.
+        await cluster.wait_retained()
     await listener.start_serving()
 
     # Installed before the "listening" line, so a signal sent on seeing it is always handled.

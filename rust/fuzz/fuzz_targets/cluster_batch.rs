@@ -18,7 +18,7 @@ fn packet(p: Packet) -> Vec<u8> {
 
 fuzz_target!(|data: &[u8]| {
     let mut e = Engine::new(Config::default());
-    e.cluster_start(1);
+    e.cluster_start(1, "fuzz");
     let peer = e.cluster_add_peer("peer");
     e.cluster_link(peer, true);
     let conn = e.open(0);

@@ -23,6 +23,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
+use super::cluster_retained::RetainedStamps;
 use super::router::{forwarded_props, Scope};
 use super::state::{Message, SessionId};
 use super::{ConnId, Engine};
@@ -63,6 +64,8 @@ pub struct PeerStats {
     pub rows: u64,
     /// Bytes of batches not yet acknowledged (sent or waiting for the link).
     pub unacked_bytes: u64,
+    /// The peer's whole retained set has arrived since its link came up.
+    pub retained_synced: bool,
 }
 
 /// A closed batch: reliable ones (`seq` > 0) stay until acknowledged, QoS 0 ones until
@@ -262,6 +265,7 @@ pub(super) struct Cluster {
     plan: Plan,
     /// Round-robin position of each shared subscription over the nodes that hold members.
     shared_cursors: HashMap<Box<str>, u32>,
+    pub(super) retained: RetainedStamps,
 }
 
 impl Cluster {
@@ -275,6 +279,27 @@ impl Cluster {
                 f(peer);
             }
         }
+    }
+
+    /// Encoded items for peer `id`'s next batches (closed every `SEAL_ABOVE`), reliable;
+    /// then `RetainedSent` if `retained_set`.
+    pub(super) fn queue_items(&mut self, id: PeerId, items: &[Vec<u8>], retained_set: bool) {
+        let epoch = self.epoch;
+        let Some(peer) = self.peer_mut(id) else {
+            return;
+        };
+        for item in items {
+            peer.items.raw_item(item);
+            peer.reliable = true;
+            if peer.items.len() >= SEAL_ABOVE {
+                peer.seal(epoch);
+            }
+        }
+        if retained_set {
+            peer.items.retained_sent();
+            peer.reliable = true;
+        }
+        self.has_output = true;
     }
 
     fn queue_snapshot(&mut self, id: PeerId) {
@@ -427,8 +452,10 @@ fn route_opts() -> SubOpts {
 impl Engine {
     /// Turns the cluster part on with this process's incarnation (non-zero, random per
     /// start): peers tell batches of an earlier run of this node from this one's by it.
-    pub fn cluster_start(&mut self, epoch: u64) {
+    /// `node` is the node's name, the same on every start (it orders retained writes).
+    pub fn cluster_start(&mut self, epoch: u64, node: &str) {
         self.cluster.epoch = epoch.max(1);
+        self.retained_stamping(node);
     }
 
     /// The number of peer `name`, added if new (the same number for the same name).
@@ -465,12 +492,14 @@ impl Engine {
     }
 
     /// The link to `id` came up (`up`) or went down. Up: batches not acknowledged are sent
-    /// again, then a snapshot of our rows.
+    /// again, then a snapshot of our rows and our retained set.
     pub fn cluster_link(&mut self, id: PeerId, up: bool) {
+        let now = self.last_now;
         let c = &mut self.cluster;
         let Some(peer) = c.peer_mut(id) else { return };
         peer.up = up;
         peer.writable = true;
+        peer.stats.retained_synced = false;
         if up {
             for o in &mut peer.out {
                 if o.sent {
@@ -479,7 +508,10 @@ impl Engine {
                 }
             }
             c.queue_snapshot(id);
+            self.queue_retained_set(id, now);
         } else {
+            let c = &mut self.cluster;
+            let peer = c.peer_mut(id).expect("checked");
             // QoS 0 is not kept for a link that is down.
             let before = peer.out.len();
             peer.out.retain(|o| o.seq != 0);
@@ -559,7 +591,7 @@ impl Engine {
                     }
                     messages.push(message_from_wire(m, now)?);
                 }
-                Item::Resync => {}
+                Item::Resync | Item::RetainedSent => {}
             }
         }
         let h = batch.header;
@@ -627,11 +659,15 @@ impl Engine {
                     // bring back a removed row.
                 }
                 Item::Resync => c.queue_snapshot(id),
+                Item::RetainedSent => {
+                    c.peer_mut(id).expect("checked").stats.retained_synced = true;
+                }
                 Item::Message(m) => {
                     let msg = messages.next().expect("one per message item");
                     let scope = Scope::Forwarded {
                         plain: m.plain,
                         groups: &m.groups,
+                        stamp: m.stamp,
                     };
                     self.route_local(Arc::new(msg), now, scope);
                 }
@@ -722,6 +758,7 @@ impl Engine {
                         props: &props,
                         plain,
                         groups,
+                        stamp: msg.retain.then(|| c.retained.routing.unwrap_or_default()),
                     },
                     &mut item,
                 );

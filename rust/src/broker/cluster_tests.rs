@@ -1,7 +1,9 @@
 //! Engines of several nodes wired together in memory: each node's `drain_cluster` frames are
 //! fed to the peer named (through the real frame decoder), as the link layer does.
 
+use super::durable_tests::{durable, restart, sync, Disk};
 use super::tests::{publishes, Harness};
+use crate::cluster::batch::{self, Stamp, WireMessage};
 use crate::cluster::{FrameDecoder, Value};
 use crate::codec::{Packet, Protocol, QoS};
 
@@ -18,7 +20,7 @@ impl Nodes {
         let mut h: Vec<Harness> = (0..n).map(|_| Harness::new()).collect();
         let mut peer = vec![vec![u16::MAX; n]; n];
         for (i, node) in h.iter_mut().enumerate() {
-            node.e.cluster_start(100 + i as u64);
+            node.e.cluster_start(100 + i as u64, &format!("node{i}"));
             for (j, slot) in peer[i].iter_mut().enumerate() {
                 if i != j {
                     *slot = node.e.cluster_add_peer(&format!("node{j}"));
@@ -87,6 +89,42 @@ impl Nodes {
         self.h[a].e.cluster_link(pa, true);
         self.h[b].e.cluster_link(pb, true);
         self.settle();
+    }
+
+    /// Node `i` restarts with nothing kept (an empty data directory): its peers see its
+    /// link drop and come back with a new incarnation.
+    fn restart_empty(&mut self, i: usize) {
+        for j in 0..self.h.len() {
+            if j != i {
+                let p = self.peer[j][i];
+                self.h[j].e.cluster_link(p, false);
+            }
+        }
+        let mut fresh = Harness::new();
+        fresh.e.cluster_start(900 + i as u64, &format!("node{i}"));
+        for j in 0..self.h.len() {
+            if j != i {
+                self.peer[i][j] = fresh.e.cluster_add_peer(&format!("node{j}"));
+            }
+        }
+        self.h[i] = fresh;
+        for j in 0..self.h.len() {
+            if j != i {
+                let (pi, pj) = (self.peer[i][j], self.peer[j][i]);
+                self.h[i].e.cluster_link(pi, true);
+                self.h[j].e.cluster_link(pj, true);
+            }
+        }
+        self.settle();
+    }
+
+    /// What a new subscriber to `filter` on `node` receives as retained messages.
+    fn retained_on(&mut self, node: usize, filter: &str) -> Vec<String> {
+        let sub = self.h[node].connect("retained-reader", Protocol::V5, true);
+        let got = self.h[node].subscribe_recv(sub, filter, QoS::AtMostOnce, Default::default());
+        let mut got = payloads(&got);
+        got.sort();
+        got
     }
 
     fn rows(&self, node: usize, of: usize) -> u64 {
@@ -255,6 +293,150 @@ fn retained_messages_reach_every_node() {
 }
 
 #[test]
+fn concurrent_retained_writes_end_in_the_same_value_on_every_node() {
+    for deleting_side in [None, Some(0), Some(1)] {
+        let mut n = Nodes::new(2);
+        let p0 = n.h[0].connect("p0", Protocol::V5, true);
+        let p1 = n.h[1].connect("p1", Protocol::V5, true);
+        n.h[0].publish(p0, "r/t", "first", QoS::AtLeastOnce, true);
+        n.settle();
+        n.cut_link(0, 1);
+        // Both sides write the topic while apart (one may delete it), node 1 later by the
+        // clock: each side's value is its own until the link heals.
+        n.h[0].publish(
+            p0,
+            "r/t",
+            if deleting_side == Some(0) { "" } else { "zero" },
+            QoS::AtLeastOnce,
+            true,
+        );
+        n.h[1].now += 5;
+        n.h[1].publish(
+            p1,
+            "r/t",
+            if deleting_side == Some(1) { "" } else { "one" },
+            QoS::AtLeastOnce,
+            true,
+        );
+        n.h[0].recv();
+        n.h[1].recv();
+        n.heal_link(0, 1);
+        let a = n.retained_on(0, "r/#");
+        let b = n.retained_on(1, "r/#");
+        assert_eq!(a, b, "deleting {deleting_side:?}");
+        let want: Vec<String> = if deleting_side == Some(1) {
+            vec![]
+        } else {
+            vec!["one".into()]
+        };
+        assert_eq!(a, want, "deleting {deleting_side:?}");
+        assert!(n.stats(0, 1).retained_synced && n.stats(1, 0).retained_synced);
+    }
+}
+
+#[test]
+fn a_node_back_with_an_empty_disk_gets_the_retained_set_and_its_deletions() {
+    let mut n = Nodes::new(3);
+    let p = n.h[0].connect("p", Protocol::V5, true);
+    for i in 0..50 {
+        n.h[0].publish(
+            p,
+            &format!("r/{i}"),
+            &format!("v{i}"),
+            QoS::AtMostOnce,
+            true,
+        );
+    }
+    n.settle();
+    n.restart_empty(2);
+    assert_eq!(n.retained_on(2, "r/#").len(), 50);
+    assert!(n.stats(2, 0).retained_synced && n.stats(2, 1).retained_synced);
+    // A deletion made while node 1 is away is not undone by node 1's older copy when it
+    // comes back: the tombstone's stamp is above it.
+    n.cut_link(0, 1);
+    n.cut_link(1, 2);
+    n.h[0].publish(p, "r/7", "", QoS::AtMostOnce, true);
+    n.h[0].recv();
+    n.settle();
+    n.heal_link(0, 1);
+    n.heal_link(1, 2);
+    for node in 0..3 {
+        let got = n.retained_on(node, "r/#");
+        assert_eq!(got.len(), 49, "node {node}");
+        assert!(!got.contains(&"v7".to_string()), "node {node}");
+    }
+}
+
+/// A batch from a peer holding one retained write (kept only) with this stamp.
+fn retained_batch(topic: &str, payload: &str, clock: u64, seq: u64) -> Vec<u8> {
+    let mut item = Vec::new();
+    batch::encode_message(
+        &WireMessage {
+            topic: topic.as_bytes(),
+            payload: payload.as_bytes(),
+            qos: 0,
+            retain: true,
+            expires_in_ms: None,
+            props: b"",
+            plain: false,
+            groups: Vec::new(),
+            stamp: Some(Stamp { clock, node: 77 }),
+        },
+        &mut item,
+    );
+    let mut w = batch::ItemWriter::default();
+    w.raw_item(&item);
+    body_of(&w.finish(batch::Header {
+        epoch: 5,
+        seq,
+        ..Default::default()
+    }))
+}
+
+#[test]
+fn a_retained_deletion_survives_a_restart_and_an_older_write_does_not_undo_it() {
+    let mut disk = Disk::new();
+    let mut h = Harness::with(durable());
+    h.e.set_wall_clock(h.now, h.now);
+    h.e.cluster_start(1, "node0");
+    let p = h.connect("p", Protocol::V5, true);
+    h.publish(p, "r/a", "x", QoS::AtMostOnce, true);
+    h.publish(p, "r/a", "", QoS::AtMostOnce, true);
+    sync(&mut h, &mut disk);
+    // The tombstone is on disk.
+    assert_eq!(disk.len(), 1);
+    let (mut h, summary) = restart(&disk, h.now + 1000);
+    assert_eq!(summary.retained, 0);
+    h.e.cluster_start(2, "node0");
+    let peer = h.e.cluster_add_peer("node1");
+    h.e.cluster_link(peer, true);
+    // A write older than the deletion (a peer's stale copy) is not kept...
+    let now = h.now;
+    h.e.cluster_feed(peer, &retained_batch("r/a", "stale", 1 << 16, 1), now)
+        .unwrap();
+    let s = h.connect("s", Protocol::V5, true);
+    let got = h.subscribe_recv(s, "r/#", QoS::AtMostOnce, Default::default());
+    assert!(payloads(&got).is_empty());
+    // ...a newer one is, and stored with its stamp.
+    h.e.cluster_feed(peer, &retained_batch("r/a", "new", u64::MAX >> 1, 2), now)
+        .unwrap();
+    let s2 = h.connect("s2", Protocol::V5, true);
+    let got = h.subscribe_recv(s2, "r/#", QoS::AtMostOnce, Default::default());
+    assert_eq!(payloads(&got), ["new"]);
+    sync(&mut h, &mut disk);
+    let (mut h, summary) = restart(&disk, now + 1000);
+    assert_eq!(summary.retained, 1);
+    h.e.cluster_start(3, "node0");
+    let peer = h.e.cluster_add_peer("node1");
+    h.e.cluster_link(peer, true);
+    h.e.cluster_feed(peer, &retained_batch("r/a", "older", 1 << 40, 1), now)
+        .unwrap();
+    let s3 = h.connect("s3", Protocol::V5, true);
+    let got = h.subscribe_recv(s3, "r/#", QoS::AtMostOnce, Default::default());
+    assert_eq!(payloads(&got), ["new"]);
+}
+
+#[test]
 fn a_cut_link_loses_no_qos1_or_qos2_and_duplicates_no_qos2() {
     let mut n = Nodes::new(2);
     let s1 = n.h[1].connect("s1", Protocol::V5, true);
@@ -319,7 +501,7 @@ fn a_restarted_peer_gets_every_row_and_stale_rows_never_return() {
     assert_eq!(n.rows(0, 1), 2);
     // Node 0 restarts: a new engine knows nothing, and learns every row on link up.
     let mut fresh = Harness::new();
-    fresh.e.cluster_start(999);
+    fresh.e.cluster_start(999, "node0");
     let p = fresh.e.cluster_add_peer("node1");
     assert_eq!(p, n.peer[0][1]);
     n.h[0] = fresh;

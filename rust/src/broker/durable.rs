@@ -19,6 +19,7 @@ use bytes::Bytes;
 
 use super::state::{AwaitingAck, Delivery, Inflight, Message, Session, SessionId, BROKER_ORIGIN};
 use super::{ConnId, Engine};
+use crate::cluster::batch::Stamp;
 use crate::codec::QoS;
 use crate::store::envelope;
 use crate::store::records::{self, Key, StoredMessage, StoredRetained, StoredSession};
@@ -120,7 +121,7 @@ impl Engine {
         self.store_ops.push((key, Some(value)));
     }
 
-    fn delete(&mut self, key: Vec<u8>) {
+    pub(super) fn delete(&mut self, key: Vec<u8>) {
         self.store_ops.push((key, None));
     }
 
@@ -307,25 +308,40 @@ impl Engine {
         }
     }
 
-    /// The retained message of `topic` was set (`Some`) or cleared.
-    pub(super) fn store_retained(&mut self, topic: &[u8], msg: Option<&Message>, now: u64) {
+    /// The retained message of `topic` was set (`Some`) or cleared. A stamped deletion (in a
+    /// cluster) is stored as a tombstone: an empty payload with the stamp.
+    pub(super) fn store_retained(
+        &mut self,
+        topic: &[u8],
+        msg: Option<&Message>,
+        stamp: Option<Stamp>,
+        now: u64,
+    ) {
         if !self.cfg.durable {
             return;
         }
         let key = records::retained_key(topic);
-        match msg {
+        let record = match msg {
             Some(m) => {
                 let wall_now = self.wall(now);
-                let record = StoredRetained {
+                StoredRetained {
                     payload: m.payload.clone(),
                     qos: m.qos,
                     props: m.props.clone(),
                     expires_at_wall: m.expires_at.map(|t| wall_now + t.saturating_sub(now)),
-                };
-                self.put(key, &record.encode());
+                    stamp,
+                }
             }
-            None => self.delete(key),
-        }
+            None if stamp.is_some() => StoredRetained {
+                payload: Bytes::new(),
+                qos: QoS::AtMostOnce,
+                props: None,
+                expires_at_wall: None,
+                stamp,
+            },
+            None => return self.delete(key),
+        };
+        self.put(key, &record.encode());
     }
 
     /// Takes stored records (in key order, in as many calls as convenient) before any
@@ -389,6 +405,15 @@ impl Engine {
         } = *r;
         let wall_now = self.wall(now);
         for (topic, m) in retained {
+            if let Some(stamp) = m.stamp {
+                let deleted = m.payload.is_empty();
+                self.cluster
+                    .retained
+                    .restored(topic.clone(), stamp, deleted, now);
+                if deleted {
+                    continue;
+                }
+            }
             let expires_at = m.expires_at_wall.map(|w| self.mono(w, now));
             if expires_at.is_some_and(|t| now >= t) {
                 self.delete(records::retained_key(&topic));

@@ -9,16 +9,16 @@ use super::tests::{connect, publishes, Harness};
 use super::*;
 use crate::codec::{Ack, LastWill, Packet, Protocol, QoS};
 
-type Disk = BTreeMap<Vec<u8>, Vec<u8>>;
+pub(super) type Disk = BTreeMap<Vec<u8>, Vec<u8>>;
 
-fn durable() -> Config {
+pub(super) fn durable() -> Config {
     Config {
         durable: true,
         ..Config::default()
     }
 }
 
-fn sync(h: &mut Harness, disk: &mut Disk) {
+pub(super) fn sync(h: &mut Harness, disk: &mut Disk) {
     for (k, v) in h.e.take_store_ops() {
         match v {
             Some(v) => {
@@ -31,7 +31,7 @@ fn sync(h: &mut Harness, disk: &mut Disk) {
     }
 }
 
-fn restart(disk: &Disk, now: u64) -> (Harness, RestoreSummary) {
+pub(super) fn restart(disk: &Disk, now: u64) -> (Harness, RestoreSummary) {
     let mut h = Harness::with(durable());
     h.now = now;
     h.e.set_wall_clock(now, now);

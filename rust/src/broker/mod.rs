@@ -9,6 +9,7 @@
 pub mod acl;
 mod auth;
 mod cluster;
+mod cluster_retained;
 #[cfg(test)]
 mod cluster_tests;
 mod config;

@@ -10,6 +10,7 @@ use bytes::Bytes;
 use super::acl;
 use super::state::{AwaitingAck, ConnState, Delivery, Inflight, Message, SessionId};
 use super::{ConnId, Engine};
+use crate::cluster::batch::Stamp;
 use crate::codec::{self, Ack, Packet, Properties, Protocol, Publish, PublishOut, QoS};
 use crate::topics::SubOpts;
 
@@ -47,8 +48,12 @@ pub(super) enum Scope<'a> {
     /// part does not give to another node.
     Origin,
     /// Forwarded by another node: the plain subscriptions if `plain`, and these shared
-    /// groups (`$share/g/f`), one member each.
-    Forwarded { plain: bool, groups: &'a [&'a str] },
+    /// groups (`$share/g/f`), one member each; a retained write's `stamp`.
+    Forwarded {
+        plain: bool,
+        groups: &'a [&'a str],
+        stamp: Option<Stamp>,
+    },
 }
 
 /// Scratch space for one routing pass, kept between calls so routing does not allocate.
@@ -320,18 +325,7 @@ impl Engine {
     /// keeps it if retained. Returns how many sessions it was delivered or queued to.
     pub(super) fn route_local(&mut self, msg: Arc<Message>, now: u64, scope: Scope<'_>) -> usize {
         if msg.retain {
-            // $SYS topics are the broker's own, republished after a restart.
-            let stored = !msg.topic.starts_with(b"$SYS");
-            if msg.payload.is_empty() {
-                if self.retained.remove(&msg.topic).is_some() && stored {
-                    self.store_retained(&msg.topic.clone(), None, now);
-                }
-            } else if self.retain_allowed(&msg) {
-                self.retained.insert(&msg.topic, msg.clone());
-                if stored {
-                    self.store_retained(&msg.topic.clone(), Some(&*msg), now);
-                }
-            }
+            self.keep_retained(&msg, scope, now);
         }
         let mut scratch = mem::take(&mut self.scratch);
         scratch.plain.clear();
@@ -409,6 +403,32 @@ impl Engine {
         }
         self.scratch = scratch;
         count
+    }
+
+    /// Sets or clears `msg`'s topic in the retained set, if its stamp says so in a cluster
+    /// (`cluster_retained`), and stores the change.
+    fn keep_retained(&mut self, msg: &Arc<Message>, scope: Scope<'_>, now: u64) {
+        let forwarded = match scope {
+            Scope::Origin => None,
+            Scope::Forwarded { stamp, .. } => Some(stamp.unwrap_or_default()),
+        };
+        let deleting = msg.payload.is_empty();
+        let Some(stamp) = self.retained_write(&msg.topic, forwarded, deleting, now) else {
+            return;
+        };
+        // $SYS topics are the broker's own, republished after a restart.
+        let stored = !msg.topic.starts_with(b"$SYS");
+        if deleting {
+            // In a cluster the deletion is stored too (a tombstone), existing here or not.
+            if (self.retained.remove(&msg.topic).is_some() || stamp.is_some()) && stored {
+                self.store_retained(&msg.topic.clone(), None, stamp, now);
+            }
+        } else if self.retain_allowed(msg) {
+            self.retained.insert(&msg.topic, msg.clone());
+            if stored {
+                self.store_retained(&msg.topic.clone(), Some(&**msg), stamp, now);
+            }
+        }
     }
 
     /// Whether `msg` may be kept as a retained message under the configured limits (a

@@ -111,7 +111,9 @@ impl Engine {
             });
             for topic in gone {
                 if !topic.starts_with(b"$SYS") {
-                    self.store_retained(&topic, None, now);
+                    // Expired on every node alike: no tombstone, and the stamp goes too.
+                    self.cluster.retained.forget(&topic);
+                    self.store_retained(&topic, None, None, now);
                 }
             }
             self.purge_expired_queued(now);

@@ -17,7 +17,10 @@
 //! snapshot replaces all rows of its sender), so a receiver notices a gap and asks for a
 //! snapshot, and a late or replayed row never brings back a removed one. A message carries
 //! its QoS as published, the retain flag, the time left before it expires (ms) and its MQTT 5
-//! properties (the block as on the wire, empty when none).
+//! properties (the block as on the wire, empty when none). A retained message also carries
+//! its [`Stamp`], by which every node keeps the same last write of a topic; one sent only to
+//! be kept (plain off, no groups) is an entry of the sender's retained set, which it sends
+//! whole when a link comes up and ends with [`Item::RetainedSent`].
 
 use crate::store::wire::{BodyError, Reader, Writer};
 
@@ -43,6 +46,21 @@ const ITEM_ROUTE_ADD: u8 = 2;
 const ITEM_ROUTE_REMOVE: u8 = 3;
 const ITEM_RESYNC: u8 = 4;
 const ITEM_MESSAGE: u8 = 5;
+const ITEM_RETAINED_SENT: u8 = 6;
+
+const MSG_RETAIN: u8 = 0b100;
+const MSG_NOT_PLAIN: u8 = 0b1000;
+const MSG_STAMPED: u8 = 0b1_0000;
+
+/// The version of a retained write: a hybrid logical clock (wall milliseconds << 16, plus
+/// a counter) and the writing node's key, compared in that order. Every node applies a
+/// retained write only if its stamp is above the topic's current one, so concurrent writes
+/// end in the same value everywhere, whatever order they arrive in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Stamp {
+    pub clock: u64,
+    pub node: u64,
+}
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Header {
@@ -69,6 +87,8 @@ pub struct WireMessage<'a> {
     /// Shared subscriptions (`$share/g/f`) the receiver delivers it to, one member each:
     /// the sender picked the receiver's members for them, cluster-wide.
     pub groups: Vec<&'a str>,
+    /// The retained write's version (retained messages only).
+    pub stamp: Option<Stamp>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,6 +109,8 @@ pub enum Item<'a> {
     /// The receiver of this asks the sender for a snapshot of its routes.
     Resync,
     Message(WireMessage<'a>),
+    /// The sender's whole retained set was sent before this item (since its link came up).
+    RetainedSent,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -155,6 +177,11 @@ impl ItemWriter {
         self.count += 1;
     }
 
+    pub fn retained_sent(&mut self) {
+        self.w.u8(ITEM_RETAINED_SENT);
+        self.count += 1;
+    }
+
     /// An already encoded item (see [`encode_message`]), so a message sent to several
     /// peers is encoded once.
     pub fn raw_item(&mut self, item: &[u8]) {
@@ -200,9 +227,21 @@ pub fn encode_message(m: &WireMessage<'_>, out: &mut Vec<u8>) {
     let mut w = Writer {
         buf: std::mem::take(out),
     };
-    w.u8(ITEM_MESSAGE)
-        .u8(m.qos | (u8::from(m.retain) << 2) | (u8::from(!m.plain) << 3))
-        .opt_u64(m.expires_in_ms)
+    let mut flags = m.qos;
+    if m.retain {
+        flags |= MSG_RETAIN;
+    }
+    if !m.plain {
+        flags |= MSG_NOT_PLAIN;
+    }
+    if m.stamp.is_some() {
+        flags |= MSG_STAMPED;
+    }
+    w.u8(ITEM_MESSAGE).u8(flags);
+    if let Some(s) = m.stamp {
+        w.u64(s.clock).u64(s.node);
+    }
+    w.opt_u64(m.expires_in_ms)
         .bytes(m.topic)
         .bytes(m.payload)
         .bytes(m.props)
@@ -302,11 +341,21 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
             filter: utf8(r.bytes()?)?,
         },
         ITEM_RESYNC => Item::Resync,
+        ITEM_RETAINED_SENT => Item::RetainedSent,
         ITEM_MESSAGE => {
             let flags = r.u8()?;
-            if flags & !0b1111 != 0 || flags & 0b11 == 3 {
+            let stamped = flags & MSG_STAMPED != 0;
+            if flags & !0b1_1111 != 0 || flags & 0b11 == 3 || stamped != (flags & MSG_RETAIN != 0) {
                 return Err(BatchError(format!("bad message flags 0x{flags:02x}")));
             }
+            let stamp = if stamped {
+                Some(Stamp {
+                    clock: r.u64()?,
+                    node: r.u64()?,
+                })
+            } else {
+                None
+            };
             let expires_in_ms = r.opt_u64()?;
             let topic = r.bytes()?;
             let payload = r.bytes()?;
@@ -318,8 +367,9 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
             }
             Item::Message(WireMessage {
                 qos: flags & 0b11,
-                retain: flags & 0b100 != 0,
-                plain: flags & 0b1000 == 0,
+                retain: flags & MSG_RETAIN != 0,
+                plain: flags & MSG_NOT_PLAIN == 0,
+                stamp,
                 expires_in_ms,
                 topic,
                 payload,
@@ -359,6 +409,10 @@ mod tests {
             props: b"\x03\x00\x01x",
             plain: false,
             groups: vec!["$share/g/a/#", "$share/h/b"],
+            stamp: Some(Stamp {
+                clock: 9 << 16,
+                node: 3,
+            }),
         }
     }
 
@@ -372,6 +426,7 @@ mod tests {
         let mut m = Vec::new();
         encode_message(&message(b"t/1", b"hello"), &mut m);
         w.raw_item(&m);
+        w.retained_sent();
         let header = Header {
             epoch: 1,
             seq: 2,
@@ -398,6 +453,7 @@ mod tests {
                 },
                 Item::Resync,
                 Item::Message(message(b"t/1", b"hello")),
+                Item::RetainedSent,
             ]
         );
         assert!(w.is_empty());
@@ -462,6 +518,19 @@ mod tests {
             .u32(0);
         let w = raw_batch(0, &items.buf);
         assert!(Batch::decode(&w.buf).unwrap().items().is_err());
+        // A retained message without its stamp.
+        let mut items = Writer::default();
+        items
+            .u32(1)
+            .u8(ITEM_MESSAGE)
+            .u8(MSG_RETAIN)
+            .u8(0)
+            .bytes(b"t")
+            .bytes(b"")
+            .bytes(b"")
+            .u32(0);
+        let w = raw_batch(0, &items.buf);
+        assert!(Batch::decode(&w.buf).unwrap().items().is_err());
         // A count larger than the items present.
         let mut items = Writer::default();
         items.u32(1_000_000);
@@ -487,6 +556,7 @@ mod tests {
             seq: u64,
             plain: bool,
             shared: bool,
+            clock: u64,
         ) {
             let m = WireMessage {
                 topic: &topic,
@@ -497,6 +567,7 @@ mod tests {
                 props: b"",
                 plain,
                 groups: if shared { vec!["$share/g/#"] } else { vec![] },
+                stamp: retain.then_some(Stamp { clock, node: 7 }),
             };
             let mut item = Vec::new();
             encode_message(&m, &mut item);

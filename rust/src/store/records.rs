@@ -15,6 +15,7 @@
 use bytes::Bytes;
 
 use super::wire::{BodyError, Reader, Writer};
+use crate::cluster::batch::Stamp;
 use crate::codec::{self, LastWill, Properties, QoS};
 use crate::topics::SubOpts;
 
@@ -320,6 +321,9 @@ pub struct StoredRetained {
     pub qos: QoS,
     pub props: Option<Box<Properties>>,
     pub expires_at_wall: Option<u64>,
+    /// The write's version in a cluster (appended; absent in records of a single node or
+    /// of earlier releases). With an empty payload the record is a deletion's tombstone.
+    pub stamp: Option<Stamp>,
 }
 
 impl StoredRetained {
@@ -329,6 +333,9 @@ impl StoredRetained {
             .u8(self.qos as u8)
             .opt_u64(self.expires_at_wall);
         write_props(&mut w, self.props.as_deref());
+        if let Some(s) = self.stamp {
+            w.u64(s.clock).u64(s.node);
+        }
         w.buf
     }
 
@@ -338,12 +345,21 @@ impl StoredRetained {
         let qos = qos(r.u8()?)?;
         let expires_at_wall = r.opt_u64()?;
         let props = read_props(&mut r, false)?;
+        let stamp = if r.is_empty() {
+            None
+        } else {
+            Some(Stamp {
+                clock: r.u64()?,
+                node: r.u64()?,
+            })
+        };
         r.finish()?;
         Ok(StoredRetained {
             payload,
             qos,
             props,
             expires_at_wall,
+            stamp,
         })
     }
 }
@@ -440,8 +456,21 @@ mod tests {
             qos: QoS::AtMostOnce,
             props: None,
             expires_at_wall: None,
+            stamp: None,
         };
         assert_eq!(StoredRetained::decode(&r.encode()).unwrap(), r);
+        let stamped = StoredRetained {
+            stamp: Some(Stamp {
+                clock: 1 << 20,
+                node: 9,
+            }),
+            ..r
+        };
+        let body = stamped.encode();
+        assert_eq!(StoredRetained::decode(&body).unwrap(), stamped);
+        for len in body.len() - 16 + 1..body.len() {
+            assert!(StoredRetained::decode(&body[..len]).is_err());
+        }
         assert_eq!(decode_flight(&encode_flight(5, 3)), Ok((5, 3)));
         assert!(decode_flight(&encode_flight(0, 1)).is_err());
     }

@@ -102,6 +102,11 @@ impl<'a> Reader<'a> {
         String::from_utf8(self.bytes()?.to_vec()).map_err(|_| BodyError("invalid UTF-8"))
     }
 
+    /// Nothing left: an optional field appended by a later layout is absent.
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
     /// The body must be used up exactly: trailing bytes mean a layout mismatch.
     pub fn finish(self) -> Result<(), BodyError> {
         if self.data.is_empty() {

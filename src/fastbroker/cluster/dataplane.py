@@ -32,7 +32,7 @@ class DataPlane:
         self.peer_ids: dict[str, int] = {}
         self.node_ids: dict[int, str] = {}
         # A new incarnation per start: peers tell our batches from an earlier run's by it.
-        engine.cluster_start(int.from_bytes(os.urandom(8), "big") or 1)
+        engine.cluster_start(int.from_bytes(os.urandom(8), "big") or 1, transport.node_id)
         server.cluster_output = self.send
 
     def peer(self, node_id: str) -> int:
@@ -97,6 +97,10 @@ class DataPlane:
             link = links.get(node_id) if node_id is not None else None
             if link is not None:
                 link.write_frames(frame, 1)
+
+    def retained_synced(self) -> set[str]:
+        """Peers whose whole retained set has arrived since their link came up."""
+        return {e["node_id"] for e in self.engine.cluster_stats() if e["retained_synced"]}
 
     def stats(self) -> dict[str, dict[str, Any]]:
         stats = {}

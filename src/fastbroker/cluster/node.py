@@ -770,6 +770,35 @@ class ClusterNode:
             self.clients_counted = (count, now)
         return self.clients_counted[0]
 
+    def retained_pending(self, reachable_only: bool) -> list[str]:
+        """Other members of the map whose retained set has not arrived since their link came
+        up: all of them, or only those whose link is up (`reachable_only`)."""
+        if self.dataplane is None:
+            return []
+        synced = self.dataplane.retained_synced()
+        return [
+            member
+            for member in self.map.members
+            if member != self.node_id
+            and member not in synced
+            and (not reachable_only or member in self.transport.links)
+        ]
+
+    async def wait_retained(self) -> None:
+        """Before clients are served: waits until every other member has sent its retained
+        set, so a node that comes back answers subscribes with the cluster's retained
+        messages. A member still unreachable after the failure timeout counts as failed: the
+        node serves without it (and gets its set once its link comes up)."""
+        deadline = monotonic_ms() + self.settings.failure_timeout_ms
+        while self.retained_pending(False) and monotonic_ms() < deadline:
+            await asyncio.sleep(0.02)
+        missing = self.retained_pending(False)
+        if missing:
+            logger.warning(
+                "serving clients before the retained messages of %s arrived (unreachable)",
+                ", ".join(missing),
+            )
+
     def status(self) -> dict[str, Any]:
         raft = self.raft
         assert raft is not None
