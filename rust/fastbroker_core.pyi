@@ -189,7 +189,7 @@ class Engine:
     def cluster_stats(self) -> list[dict[str, Any]]:
         """Per peer: node_id, up, frames/messages/bytes in and out, resent, dropped,
         route_rows, unacked_bytes, retained_synced (its retained set has arrived since its
-        link came up)."""
+        link came up), publisher_holds (publishers held because its queue was full)."""
     def cluster_local_rows(self) -> int:
         """Route rows this node announces (distinct filters of its sessions)."""
     def take_resumed(self) -> list[int]:

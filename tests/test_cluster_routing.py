@@ -11,6 +11,9 @@ and a node is SIGKILLed in the middle of a stream.
 from __future__ import annotations
 
 import asyncio
+import os
+import random
+import signal
 import shutil
 import socket
 import threading
@@ -228,6 +231,60 @@ def test_publishes_go_only_to_nodes_with_subscribers_and_once_per_node(nodes):
         c.disconnect()
 
 
+def test_a_stalled_node_holds_only_the_publishers_that_wait_on_it_and_loses_no_qos0(nodes):
+    """n2 stops reading (SIGSTOP, shorter than the failure timeout): a QoS 0 publisher on n1
+    whose messages go to n2 is held once n1's queue for n2 is full, instead of n1 buffering
+    without bound or dropping; a publisher whose messages go to n3 goes on meanwhile."""
+    n1, n2, n3 = nodes
+    slow, fast = unique("slow"), unique("fast")
+    sub_slow = Client(endpoint(n2), client_id=unique("ssub"), version=5)
+    sub_slow.connect()
+    sub_slow.subscribe(slow, qos=1)
+    sub_fast = Client(endpoint(n3), client_id=unique("fsub"), version=5)
+    sub_fast.connect()
+    sub_fast.subscribe(fast, qos=1)
+    wait_rows(n1, "n2", 1)
+    wait_rows(n1, "n3", 1)
+    time.sleep(0.2)
+    holds_before = plane(n1, "n2")["publisher_holds"]
+    dropped_before = plane(n1, "n2")["dropped"]
+    rng = random.Random(7)
+    # 600 x 64 KiB that do not compress: 39 MiB, more than n1 queues for one peer (16 MiB).
+    payloads = [rng.randbytes(64 * 1024) for _ in range(600)]
+    heavy = Client(endpoint(n1), client_id=unique("heavy"), version=5)
+    heavy.connect()
+    light = Client(endpoint(n1), client_id=unique("light"), version=5)
+    light.connect()
+    assert n2.proc is not None
+    os.kill(n2.proc.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        sender = threading.Thread(
+            target=lambda: [heavy.publish(slow, p, qos=0, wait=False) for p in payloads]
+        )
+        sender.start()
+        started = time.monotonic()
+        for i in range(100):
+            light.publish(fast, f"{i}".encode(), qos=1)
+        light_took = time.monotonic() - started
+        # Resumed well before the failure timeout (2 s), which would end the link.
+        held = 0
+        while not held and time.monotonic() - stopped < 1.6:
+            time.sleep(0.05)
+            held = plane(n1, "n2")["publisher_holds"] - holds_before
+    finally:
+        os.kill(n2.proc.pid, signal.SIGCONT)
+    sender.join(30)
+    got = [m.payload for m in sub_slow.expect(600, 30.0)]
+    assert got == payloads
+    assert held >= 1
+    assert plane(n1, "n2")["dropped"] == dropped_before
+    assert len(sub_fast.expect(100, 5.0)) == 100
+    assert light_took < 1.0, f"a publisher to n3 waited {light_took:.2f}s behind n2"
+    for c in (heavy, light, sub_slow, sub_fast):
+        c.disconnect()
+
+
 # ------------------------------------------------------------------ shared subscriptions
 
 
@@ -388,6 +445,37 @@ def test_a_node_killed_mid_stream_stalls_no_publisher_and_comes_back_with_the_re
         got = retained_values(n3, f"{root}/#")
         assert sorted(got) == sorted(f"{root}/{i}" for i in range(40))
         assert got[f"{root}/7"] == b"v7"
+
+
+def test_acknowledged_messages_for_a_dead_node_survive_the_publishing_node_dying_too(tmp_path):
+    """n3 (holding a persistent session) is dead; n1 acknowledges QoS 1 publishes for it at
+    once, keeping them on its disk; n1 is SIGKILLed too. Both come back: the session gets
+    every acknowledged message."""
+    with Cluster(tmp_path) as cluster:
+        n1, n2, n3 = start_cluster(cluster, 3)
+        topic = unique("outbox")
+        session = unique("offline")
+        sub = Client(endpoint(n3), client_id=session, version=4, clean=False)
+        sub.connect()
+        sub.subscribe(topic, qos=1)
+        wait_rows(n1, "n3", 1)
+        sub.disconnect()
+        n3.kill()
+        publisher = Client(endpoint(n1), client_id=unique("opub"), version=5)
+        publisher.connect()
+        started = time.monotonic()
+        for i in range(200):
+            publisher.publish(topic, f"{i}".encode(), qos=1)
+        assert time.monotonic() - started < 10
+        n1.kill()
+        cluster.start(1, wait=False)
+        cluster.start(3, wait=False, join=cluster.seeds(2))
+        wait_for(lambda: serving(n1) and serving(n3), 20, "n1 and n3 serving", n1, n3)
+        sub = Client(endpoint(n3), client_id=session, version=4, clean=False)
+        sub.connect()
+        got = [m.payload for m in sub.expect(200, 15.0)]
+        assert got == [f"{i}".encode() for i in range(200)]
+        sub.disconnect()
 
 
 def test_concurrent_retained_writes_on_different_nodes_end_in_one_value(nodes):

@@ -381,6 +381,7 @@ impl PyEngine {
             d.set_item("route_rows", s.rows)?;
             d.set_item("unacked_bytes", s.unacked_bytes)?;
             d.set_item("retained_synced", s.retained_synced)?;
+            d.set_item("publisher_holds", s.holds)?;
             list.append(d)?;
         }
         Ok(list)

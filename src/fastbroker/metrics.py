@@ -346,9 +346,15 @@ class BrokerCollector:
             ("cluster_messages_received", "messages_in", "Messages forwarded by a peer node"),
             ("cluster_batches_resent", "resent", "Data batches sent again after a reconnect"),
             (
+                "cluster_publisher_holds",
+                "publisher_holds",
+                "Publishers not read because their messages waited in a peer's full queue",
+            ),
+            (
                 "cluster_forward_dropped",
                 "dropped",
-                "QoS 0 messages to a peer dropped while its link was down or full, and "
+                "QoS 0 messages to a peer dropped while its link was down (or far past "
+                "full), and "
                 "batches dropped past the unacknowledged bound",
             ),
         )

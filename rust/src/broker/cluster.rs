@@ -17,8 +17,12 @@
 //!   receiver acknowledges once its store operations for them are written, see
 //!   `Server.flush`); after a reconnect the unacknowledged ones are sent again, and the
 //!   receiver skips numbers it has already applied, so QoS 2 is never delivered twice.
-//!   QoS 0 is sent once, and dropped when the link is down or full, like QoS 0 to a slow
-//!   subscriber.
+//!   QoS 0 is sent once, and dropped when the link is down.
+//! - **A full link slows its publishers.** Past `HOLD_ABOVE` bytes queued for a peer whose
+//!   link is up (not yet written, or not yet acknowledged), a connection whose publish went
+//!   to that peer is not read any more (`Conn::link_wait`) until the queue is back under
+//!   `RESUME_BELOW`; publishers whose messages go elsewhere are not held. A peer whose link
+//!   is down holds no one: its reliable batches wait for it.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -29,6 +33,7 @@ use super::state::{Message, SessionId};
 use super::{ConnId, Engine};
 use crate::cluster::batch::{self, Batch, Header, Item, ItemWriter, WireMessage};
 use crate::codec::{self, Packet, QoS};
+use crate::store::records;
 use crate::topics::{self, SubOpts, SubscriptionIndex};
 
 /// A peer node, as numbered by the caller's `cluster_add_peer`.
@@ -40,8 +45,14 @@ pub const REMOTE_ORIGIN: SessionId = u32::MAX - 1;
 /// Reliable batches kept for one peer until it acknowledges them; past this the oldest are
 /// dropped (and counted) rather than memory growing without bound.
 const MAX_UNACKED_BYTES: usize = 256 << 20;
-/// QoS 0 batches waiting for a full link, at most; older ones are dropped past it.
-const MAX_WAITING_QOS0_BYTES: usize = 8 << 20;
+/// QoS 0 batches waiting for a full link, at most; older ones are dropped past it. Far
+/// above `HOLD_ABOVE`: only many publishers held at once, each with a read's worth of
+/// publishes, could reach it.
+const MAX_WAITING_QOS0_BYTES: usize = 64 << 20;
+/// Bytes queued for a peer whose link is up past which its publishers are not read.
+const HOLD_ABOVE: usize = 16 << 20;
+/// ...and under which they are read again.
+const RESUME_BELOW: usize = 8 << 20;
 /// A batch is closed once its items reach this size, so frames stay small enough to
 /// interleave with the control plane's and to decode in one go.
 const SEAL_ABOVE: usize = 1 << 20;
@@ -66,14 +77,21 @@ pub struct PeerStats {
     pub unacked_bytes: u64,
     /// The peer's whole retained set has arrived since its link came up.
     pub retained_synced: bool,
+    /// Times a publisher was held because this peer's queue was full.
+    pub holds: u64,
 }
 
 /// A closed batch: reliable ones (`seq` > 0) stay until acknowledged, QoS 0 ones until
 /// sent.
 struct Outgoing {
     seq: u64,
+    /// The incarnation of this node that made it: this one's, or an earlier one's for a
+    /// batch restored from the store.
+    epoch: u64,
     frame: Vec<u8>,
     sent: bool,
+    /// Its record in the store, once kept there (made or held while the link was down).
+    stored: Option<Vec<u8>>,
 }
 
 struct Peer {
@@ -100,6 +118,10 @@ struct Peer {
     recv_epoch: u64,
     recv_seq: u64,
     ack_due: bool,
+    /// Connections not read because a publish of theirs waits in this peer's full queue.
+    waiters: Vec<ConnId>,
+    /// Store records of batches dropped past the bound, to delete.
+    dead_records: Vec<Vec<u8>>,
     stats: PeerStats,
 }
 
@@ -123,12 +145,19 @@ impl Peer {
             recv_epoch: 0,
             recv_seq: 0,
             ack_due: false,
+            waiters: Vec::new(),
+            dead_records: Vec::new(),
             stats: PeerStats::default(),
         }
     }
 
     fn can_send(&self) -> bool {
         self.up && self.writable
+    }
+
+    /// Bytes waiting for this peer: not yet written, or written and not yet acknowledged.
+    fn queued(&self) -> usize {
+        self.unacked_bytes + self.waiting_qos0_bytes + self.items.len()
     }
 
     /// Closes the batch being written (if it has items or an acknowledgement is due) into
@@ -159,8 +188,10 @@ impl Peer {
         }
         self.out.push_back(Outgoing {
             seq,
+            epoch,
             frame,
             sent: false,
+            stored: None,
         });
         self.item_messages = 0;
         self.bound_queue();
@@ -184,6 +215,7 @@ impl Peer {
             let o = self.out.remove(i).expect("found");
             self.unacked_bytes -= o.frame.len();
             self.stats.dropped += 1;
+            self.dead_records.extend(o.stored);
         }
         self.stats.unacked_bytes = self.unacked_bytes as u64;
     }
@@ -193,7 +225,20 @@ impl Peer {
         if !self.can_send() {
             return;
         }
-        for o in self.out.iter_mut().filter(|o| !o.sent) {
+        // Reliable batches of an earlier incarnation (restored) go first, and this one's wait
+        // until they are acknowledged: the peer numbers what it applied per incarnation.
+        let mut epoch = None;
+        for o in self.out.iter_mut() {
+            if o.seq != 0 {
+                match epoch {
+                    None => epoch = Some(o.epoch),
+                    Some(e) if e != o.epoch => break,
+                    Some(_) => {}
+                }
+            }
+            if o.sent {
+                continue;
+            }
             o.sent = true;
             self.stats.frames_out += 1;
             self.stats.bytes_out += o.frame.len() as u64;
@@ -205,16 +250,17 @@ impl Peer {
         self.out.retain(|o| o.seq != 0 || !o.sent);
     }
 
-    /// The peer has applied our reliable batches up to `seq`.
-    fn acknowledged(&mut self, seq: u64) {
-        self.acked_seq = self.acked_seq.max(seq);
+    /// The peer has applied the reliable batches of our incarnation `epoch` up to `seq`;
+    /// the store records of those kept there go to `done`.
+    fn acknowledged(&mut self, epoch: u64, seq: u64, done: &mut Vec<Vec<u8>>) {
         while self
             .out
             .front()
-            .is_some_and(|o| o.seq != 0 && o.seq <= seq && o.sent)
+            .is_some_and(|o| o.seq != 0 && o.epoch == epoch && o.seq <= seq && o.sent)
         {
-            let done = self.out.pop_front().expect("checked");
-            self.unacked_bytes -= done.frame.len();
+            let o = self.out.pop_front().expect("checked");
+            self.unacked_bytes -= o.frame.len();
+            done.extend(o.stored);
         }
         self.stats.unacked_bytes = self.unacked_bytes as u64;
     }
@@ -266,9 +312,26 @@ pub(super) struct Cluster {
     /// Round-robin position of each shared subscription over the nodes that hold members.
     shared_cursors: HashMap<Box<str>, u32>,
     pub(super) retained: RetainedStamps,
+    /// Peers whose full queue the packet being handled put a message in (see `limits`).
+    pub(super) full_links: Vec<PeerId>,
+    /// A reliable item went to a peer whose link is down: its batch is closed and stored
+    /// before the next store write (so the publish is acknowledged only once kept).
+    down_items: bool,
+    /// The message being routed went to such a peer.
+    routed_to_down: bool,
+    /// Wall time this incarnation started, in the keys of its stored batches.
+    start_wall: u64,
+    /// Batches restored from the store, by peer name, until the peer is added.
+    restored: HashMap<Arc<str>, VecDeque<Outgoing>>,
 }
 
 impl Cluster {
+    /// Whether the message just routed was queued for a peer whose link is down (and will be
+    /// stored with the next store write).
+    pub(super) fn to_down_peer(&self) -> bool {
+        self.routed_to_down
+    }
+
     fn peer_mut(&mut self, id: PeerId) -> Option<&mut Peer> {
         self.peers.get_mut(usize::from(id)).and_then(Option::as_mut)
     }
@@ -455,6 +518,7 @@ impl Engine {
     /// `node` is the node's name, the same on every start (it orders retained writes).
     pub fn cluster_start(&mut self, epoch: u64, node: &str) {
         self.cluster.epoch = epoch.max(1);
+        self.cluster.start_wall = self.wall(self.last_now);
         self.retained_stamping(node);
     }
 
@@ -468,7 +532,13 @@ impl Engine {
         {
             return i as PeerId;
         }
-        let peer = Peer::new(Arc::from(name));
+        let mut peer = Peer::new(Arc::from(name));
+        if let Some(out) = c.restored.remove(name) {
+            // Kept for it by an earlier run of this node, while its link was down.
+            peer.unacked_bytes = out.iter().map(|o| o.frame.len()).sum();
+            peer.stats.unacked_bytes = peer.unacked_bytes as u64;
+            peer.out = out;
+        }
         match c.peers.iter().position(Option::is_none) {
             Some(i) => {
                 c.peers[i] = Some(peer);
@@ -481,8 +551,45 @@ impl Engine {
         }
     }
 
+    /// A batch kept in the store for peer `name` by an earlier run of this node, restored
+    /// in the order made; sent before anything new once the peer's link is up.
+    pub(super) fn restore_outgoing(
+        &mut self,
+        name: &str,
+        epoch: u64,
+        seq: u64,
+        key: Vec<u8>,
+        frame: Vec<u8>,
+    ) {
+        let c = &mut self.cluster;
+        let out = c.restored.entry(Arc::from(name)).or_default();
+        out.push_back(Outgoing {
+            seq,
+            epoch,
+            frame,
+            sent: false,
+            stored: Some(key),
+        });
+    }
+
     /// Forgets a peer that left the cluster: its rows and everything queued for it.
     pub fn cluster_remove_peer(&mut self, id: PeerId) {
+        if let Some(peer) = self.cluster.peer_mut(id) {
+            // Like a down link: publishers waiting for it are read again.
+            peer.up = false;
+        }
+        self.release_link_waiters();
+        // What was kept for it goes: it left the cluster.
+        let records: Vec<Vec<u8>> = self
+            .cluster
+            .peer_mut(id)
+            .map(|p| p.out.iter_mut().filter_map(|o| o.stored.take()).collect())
+            .unwrap_or_default();
+        if self.cfg.durable {
+            for key in records {
+                self.delete(key);
+            }
+        }
         let c = &mut self.cluster;
         c.set_rows(id, &[]);
         if let Some(slot) = c.peers.get_mut(usize::from(id)) {
@@ -517,11 +624,27 @@ impl Engine {
             peer.out.retain(|o| o.seq != 0);
             peer.stats.dropped += (before - peer.out.len()) as u64;
             peer.waiting_qos0_bytes = 0;
+            // The acknowledgements held for it go out now: what they wait for is stored
+            // first (the caller writes the store before sending them).
+            c.down_items |= peer.reliable;
+            self.store_outgoing(id);
+            // Their publishers are disconnected, not acknowledged, if that write fails.
+            if self.cfg.durable {
+                let waiting: Vec<ConnId> = self
+                    .cluster
+                    .held_acks
+                    .iter()
+                    .filter(|h| h.waits.iter().any(|&(p, _)| p == id))
+                    .map(|h| h.conn)
+                    .collect();
+                self.batch_publishers.extend(waiting);
+            }
         }
         self.cluster.has_output = true;
         if !up {
             // A down peer never stalls publishers: its messages wait in the queue for it.
             self.release_acks();
+            self.release_link_waiters();
         }
     }
 
@@ -559,6 +682,101 @@ impl Engine {
             peer.seal(epoch);
             peer.send_queued(i as PeerId, &mut f);
         }
+        self.release_link_waiters();
+    }
+
+    /// Keeps peer `id`'s reliable batches in the store (its link is down): they survive a
+    /// restart of this node, and are sent when the link is back.
+    fn store_outgoing(&mut self, id: PeerId) {
+        if !self.cfg.durable {
+            return;
+        }
+        let start = self.cluster.start_wall;
+        let mut puts = Vec::new();
+        if let Some(peer) = self.cluster.peer_mut(id) {
+            for o in peer.out.iter_mut() {
+                if o.seq != 0 && o.stored.is_none() {
+                    let key = records::outbox_key(&peer.name, start, o.epoch, o.seq);
+                    puts.push((key.clone(), o.frame.clone()));
+                    o.stored = Some(key);
+                }
+            }
+        }
+        for (key, frame) in puts {
+            self.put(key, &frame);
+        }
+    }
+
+    /// Whether the store has work from the cluster part: batches for down peers to close
+    /// and keep, records of dropped batches to delete.
+    pub(super) fn cluster_store_due(&self) -> bool {
+        let c = &self.cluster;
+        c.down_items || c.peers.iter().flatten().any(|p| !p.dead_records.is_empty())
+    }
+
+    /// Before the store write: closes and keeps the batches of peers whose link is down.
+    pub(super) fn store_cluster_batches(&mut self) {
+        let epoch = self.cluster.epoch;
+        let mut down = Vec::new();
+        let mut dead = Vec::new();
+        for (i, peer) in self.cluster.peers.iter_mut().enumerate() {
+            let Some(peer) = peer.as_mut() else { continue };
+            dead.append(&mut peer.dead_records);
+            if self.cluster.down_items && !peer.up && peer.reliable {
+                peer.seal(epoch);
+                dead.append(&mut peer.dead_records);
+                down.push(i as PeerId);
+            }
+        }
+        self.cluster.down_items = false;
+        for id in down {
+            self.store_outgoing(id);
+        }
+        if self.cfg.durable {
+            for key in dead {
+                self.delete(key);
+            }
+        }
+    }
+
+    /// `id`'s publish went to peers whose link is full (`full_links`): it is not read until
+    /// they drain.
+    pub(super) fn wait_for_links(&mut self, id: ConnId) {
+        let full = std::mem::take(&mut self.cluster.full_links);
+        for &p in &full {
+            if let Some(peer) = self.cluster.peer_mut(p) {
+                if !peer.waiters.contains(&id) {
+                    peer.waiters.push(id);
+                    peer.stats.holds += 1;
+                }
+            }
+        }
+        self.cluster.full_links = full;
+        if let Some(conn) = self.conn_mut(id) {
+            conn.link_wait = true;
+        }
+        self.regate(id);
+    }
+
+    /// Reads again the connections waiting for a peer whose queue is back under
+    /// `RESUME_BELOW` (or whose link went down: a down peer holds no one).
+    fn release_link_waiters(&mut self) {
+        let mut released = Vec::new();
+        for peer in self.cluster.peers.iter_mut().flatten() {
+            if !peer.waiters.is_empty() && (!peer.up || peer.queued() < RESUME_BELOW) {
+                released.append(&mut peer.waiters);
+            }
+        }
+        if released.is_empty() {
+            return;
+        }
+        for id in released {
+            if let Some(conn) = self.conn_mut(id) {
+                conn.link_wait = false;
+            }
+            self.regate(id);
+        }
+        self.retry_held(self.last_now);
     }
 
     /// A batch from peer `id` (the value of its DATA frame). The whole batch is checked
@@ -602,10 +820,22 @@ impl Engine {
         };
         peer.stats.frames_in += 1;
         peer.stats.bytes_in += data.len() as u64;
-        if h.ack_epoch == own_epoch && h.ack_seq > peer.acked_seq {
-            peer.acknowledged(h.ack_seq);
-            if !c.held_acks.is_empty() {
+        if h.ack_seq != 0 {
+            let mut done = Vec::new();
+            peer.acknowledged(h.ack_epoch, h.ack_seq, &mut done);
+            let newer = h.ack_epoch == own_epoch && h.ack_seq > peer.acked_seq;
+            if newer {
+                peer.acked_seq = h.ack_seq;
+            }
+            let waiting = !peer.waiters.is_empty();
+            for key in done {
+                self.delete(key);
+            }
+            if newer && !self.cluster.held_acks.is_empty() {
                 self.release_acks();
+            }
+            if waiting {
+                self.release_link_waiters();
             }
         }
         let c = &mut self.cluster;
@@ -682,6 +912,7 @@ impl Engine {
     pub(super) fn plan_forward(&mut self, msg: &Message) -> bool {
         let c = &mut self.cluster;
         c.waits.clear();
+        c.routed_to_down = false;
         c.plan.plain.clear();
         c.plan.groups.clear();
         c.plan.assigned.clear();
@@ -731,6 +962,8 @@ impl Engine {
             targets.dedup();
         }
         let reliable = msg.qos != QoS::AtMostOnce || msg.retain;
+        let durable = self.cfg.durable;
+        let c = &mut self.cluster;
         let epoch = c.epoch;
         let mut item = std::mem::take(&mut c.scratch_item);
         // Most messages go to no shared group: one encoding then serves every peer with the
@@ -769,9 +1002,16 @@ impl Engine {
             peer.items.raw_item(&item);
             peer.item_messages += 1;
             peer.reliable |= reliable;
+            if peer.up && peer.queued() >= HOLD_ABOVE {
+                c.full_links.push(id);
+            }
             if reliable && peer.up {
                 // The batch being written gets this number when it is sealed.
                 c.waits.push((id, peer.next_seq));
+            }
+            if reliable && !peer.up && durable {
+                c.down_items = true;
+                c.routed_to_down = true;
             }
             if peer.items.len() >= SEAL_ABOVE {
                 peer.seal(epoch);

@@ -17,7 +17,11 @@ struct Nodes {
 
 impl Nodes {
     fn new(n: usize) -> Nodes {
-        let mut h: Vec<Harness> = (0..n).map(|_| Harness::new()).collect();
+        Nodes::with((0..n).map(|_| Harness::new()).collect())
+    }
+
+    fn with(mut h: Vec<Harness>) -> Nodes {
+        let n = h.len();
         let mut peer = vec![vec![u16::MAX; n]; n];
         for (i, node) in h.iter_mut().enumerate() {
             node.e.cluster_start(100 + i as u64, &format!("node{i}"));
@@ -434,6 +438,149 @@ fn a_retained_deletion_survives_a_restart_and_an_older_write_does_not_undo_it() 
     let s3 = h.connect("s3", Protocol::V5, true);
     let got = h.subscribe_recv(s3, "r/#", QoS::AtMostOnce, Default::default());
     assert_eq!(payloads(&got), ["new"]);
+}
+
+/// `count` QoS 0 publishes of `size` bytes to `topic`, as a client sends them.
+fn publish_bytes(topic: &str, count: usize, size: usize) -> Vec<u8> {
+    let mut buf = Vec::new();
+    // Payloads that do not compress, so batches are as large as what they carry.
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    for _ in 0..count {
+        let payload: Vec<u8> = (0..size)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let p = Packet::Publish(crate::codec::Publish {
+            dup: false,
+            qos: QoS::AtMostOnce,
+            retain: false,
+            topic: bytes::Bytes::copy_from_slice(topic.as_bytes()),
+            pkid: 0,
+            payload: bytes::Bytes::from(payload),
+            properties: None,
+        });
+        crate::codec::encode(&p, Protocol::V5, &mut buf).unwrap();
+    }
+    buf
+}
+
+#[test]
+fn a_full_link_holds_only_its_publishers_and_drops_no_qos0() {
+    let mut n = Nodes::new(2);
+    let sub = n.h[1].connect("sub", Protocol::V5, true);
+    n.h[1].subscribe(sub, "far/#", QoS::AtMostOnce);
+    let near = n.h[0].connect("near", Protocol::V5, true);
+    n.h[0].subscribe(near, "near/#", QoS::AtMostOnce);
+    n.settle();
+    let p = n.peer[0][1];
+    // The link to node 1 takes nothing for now (its socket buffer is full).
+    n.h[0].e.cluster_set_writable(p, false);
+    let far = n.h[0].connect("far", Protocol::V5, true);
+    let now = n.h[0].now;
+    let bits = n.h[0]
+        .e
+        .feed(far, &publish_bytes("far/t", 1000, 20_000), now);
+    assert_ne!(
+        bits & super::FEED_HOLD,
+        0,
+        "the publisher to the full link is held"
+    );
+    assert!(n.stats(0, 1).unacked_bytes == 0);
+    // Another publisher, whose messages stay on this node, is not held.
+    let local = n.h[0].connect("local", Protocol::V5, true);
+    let bits = n.h[0]
+        .e
+        .feed(local, &publish_bytes("near/t", 1000, 20_000), now);
+    assert_eq!(bits & super::FEED_HOLD, 0);
+    assert_eq!(publishes(&n.h[0].recv_one(near)).len(), 1000);
+    // The link drains: the held publisher is read again, and every message arrives.
+    n.h[0].e.cluster_set_writable(p, true);
+    let mut got = 0;
+    for _ in 0..20 {
+        n.settle();
+        got += publishes(&n.h[1].recv_one(sub)).len();
+        n.h[0].e.tick(now);
+        if got == 1000 {
+            break;
+        }
+    }
+    assert_eq!(got, 1000);
+    assert_eq!(n.stats(0, 1).dropped, 0);
+    assert!(n.stats(0, 1).holds >= 1);
+    assert!(n.h[0].e.take_resumed().contains(&far));
+}
+
+/// Node 0 (durable) restarts from `disk` with a new incarnation; its links come back.
+fn restart_node0(n: &mut Nodes, disk: &Disk, epoch: u64) {
+    let now = n.h[0].now + 1000;
+    let (mut h, _) = restart(disk, now);
+    h.e.cluster_start(epoch, "node0");
+    n.peer[0][1] = h.e.cluster_add_peer("node1");
+    n.h[0] = h;
+    n.heal_link(0, 1);
+}
+
+#[test]
+fn a_qos1_message_for_a_down_peer_is_stored_and_survives_a_restart_of_its_publisher_node() {
+    let mut disk = Disk::new();
+    let mut h0 = Harness::with(durable());
+    h0.e.set_wall_clock(h0.now, h0.now);
+    let mut n = Nodes::with(vec![h0, Harness::new()]);
+    let sub = n.h[1].connect("sub", Protocol::V5, false);
+    n.h[1].subscribe(sub, "d/#", QoS::AtLeastOnce);
+    n.settle();
+    sync(&mut n.h[0], &mut disk);
+    n.cut_link(0, 1);
+    let p = n.h[0].connect("p", Protocol::V5, true);
+    n.h[0].publish(p, "d/1", "kept", QoS::AtLeastOnce, false);
+    // Acknowledged at once (a down peer stalls no one), and stored before that.
+    sync(&mut n.h[0], &mut disk);
+    assert!(matches!(n.h[0].recv_one(p)[..], [Packet::PubAck(_)]));
+    assert_eq!(disk.keys().filter(|k| k[0] == b'o').count(), 1);
+    // Node 0 dies and comes back: the message goes to node 1 when the link is up.
+    restart_node0(&mut n, &disk, 7);
+    assert_eq!(payloads(&n.h[1].recv_one(sub)), ["kept"]);
+    sync(&mut n.h[0], &mut disk);
+    assert_eq!(disk.keys().filter(|k| k[0] == b'o').count(), 0);
+}
+
+#[test]
+fn a_stored_batch_the_peer_had_applied_is_not_delivered_twice_after_a_restart() {
+    let mut disk = Disk::new();
+    let mut h0 = Harness::with(durable());
+    h0.e.set_wall_clock(h0.now, h0.now);
+    let mut n = Nodes::with(vec![h0, Harness::new()]);
+    let sub = n.h[1].connect("sub", Protocol::V5, true);
+    n.h[1].subscribe(sub, "e/#", QoS::ExactlyOnce);
+    n.settle();
+    let p = n.h[0].connect("p", Protocol::V5, true);
+    n.h[0].publish(p, "e/1", "once", QoS::ExactlyOnce, false);
+    // The batch reaches node 1, which applies it; its acknowledgement is lost with the link.
+    let mut frames = Vec::new();
+    n.h[0].e.drain_cluster(|_, f| frames.push(f.to_vec()));
+    let from = n.peer[1][0];
+    let now = n.h[1].now;
+    for f in &frames {
+        n.h[1].e.cluster_feed(from, &body_of(f), now).unwrap();
+    }
+    assert_eq!(payloads(&n.h[1].recv_one(sub)), ["once"]);
+    n.cut_link(0, 1);
+    sync(&mut n.h[0], &mut disk);
+    assert_eq!(disk.keys().filter(|k| k[0] == b'o').count(), 1);
+    // Sent again by the next run of node 0, under the incarnation that made it: skipped.
+    restart_node0(&mut n, &disk, 8);
+    assert!(payloads(&n.h[1].recv_one(sub)).is_empty());
+    sync(&mut n.h[0], &mut disk);
+    assert_eq!(disk.keys().filter(|k| k[0] == b'o').count(), 0);
+    // And the new run's messages flow.
+    let p = n.h[0].connect("p2", Protocol::V5, true);
+    n.h[0].publish(p, "e/2", "next", QoS::ExactlyOnce, false);
+    n.settle();
+    assert_eq!(payloads(&n.h[1].recv_one(sub)), ["next"]);
 }
 
 #[test]

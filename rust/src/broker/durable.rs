@@ -93,12 +93,15 @@ impl Engine {
     /// Operations produced since the last call; the caller writes them as one batch before
     /// its next `drain`.
     pub fn take_store_ops(&mut self) -> Vec<StoreOp> {
+        if self.cluster_store_due() {
+            self.store_cluster_batches();
+        }
         self.unconfirmed_publishers = std::mem::take(&mut self.batch_publishers);
         std::mem::take(&mut self.store_ops)
     }
 
     pub fn has_store_ops(&self) -> bool {
-        !self.store_ops.is_empty()
+        !self.store_ops.is_empty() || self.cluster_store_due()
     }
 
     /// The last batch from `take_store_ops` could not be written: publishers whose QoS 1/2
@@ -116,7 +119,7 @@ impl Engine {
         conns
     }
 
-    fn put(&mut self, key: Vec<u8>, body: &[u8]) {
+    pub(super) fn put(&mut self, key: Vec<u8>, body: &[u8]) {
         let value = envelope::seal(&key, body, self.cfg.compress_above);
         self.store_ops.push((key, Some(value)));
     }
@@ -133,7 +136,9 @@ impl Engine {
     /// A QoS 1/2 publish from connection `id` is being handled: remember it if it produced
     /// store operations, so a failed write can take back its acknowledgement.
     pub(super) fn note_publisher(&mut self, id: ConnId, ops_before: usize) {
-        if self.store_ops.len() > ops_before && self.batch_publishers.last() != Some(&id) {
+        // A message for a peer whose link is down is stored with the next write too.
+        let stored = self.store_ops.len() > ops_before || self.cluster.to_down_peer();
+        if stored && self.batch_publishers.last() != Some(&id) {
             self.batch_publishers.push(id);
         }
     }
@@ -360,8 +365,19 @@ impl Engine {
     fn restore_one(&mut self, key: &[u8], value: &[u8]) -> Result<(), String> {
         let parsed = records::parse_key(key).ok_or("unknown key")?;
         let body = envelope::open(key, value).map_err(|e| e.to_string())?;
+        if let Key::Outbox {
+            peer, epoch, seq, ..
+        } = parsed
+        {
+            if seq == 0 || body.is_empty() {
+                return Err("outbox record without a batch".into());
+            }
+            self.restore_outgoing(&peer, epoch, seq, key.to_vec(), body.to_vec());
+            return Ok(());
+        }
         let r = self.restoring.get_or_insert_with(Box::default);
         match parsed {
+            Key::Outbox { .. } => unreachable!("handled above"),
             Key::Session(id) => {
                 let s = StoredSession::decode(&body).map_err(|e| e.to_string())?;
                 r.sessions.insert(id, s);

@@ -84,7 +84,11 @@ impl Engine {
                     // Keep alive counts whole control packets, not bytes: a packet trickled
                     // in a byte at a time (slowloris) must not keep a connection alive.
                     conn.last_rx = now;
-                    self.handle(id, packet, now)
+                    self.cluster.full_links.clear();
+                    self.handle(id, packet, now);
+                    if !self.cluster.full_links.is_empty() {
+                        self.wait_for_links(id);
+                    }
                 }
                 Ok(None) => {
                     let published = conn.published;
@@ -108,6 +112,9 @@ impl Engine {
         let max_intercepted = self.cfg.max_intercepted;
         let rate = self.cfg.max_publish_rate;
         let conn = self.conn_mut(id).expect("caller checked");
+        if conn.link_wait {
+            return true;
+        }
         if intercept && conn.intercepted as usize >= max_intercepted {
             return true;
         }
@@ -200,6 +207,14 @@ impl Engine {
             .and_then(|&sid| self.session(sid))
             .is_some_and(|s| s.conn.is_some());
         !takeover
+    }
+
+    /// Whether `id` is checked before each packet: rate limit, interception, a full link.
+    pub(super) fn regate(&mut self, id: ConnId) {
+        let intercept = self.cfg.intercept;
+        if let Some(conn) = self.conn_mut(id) {
+            conn.gated = conn.bucket.is_some() || intercept || conn.link_wait;
+        }
     }
 
     /// Per-connection limits an accepted connection starts with.

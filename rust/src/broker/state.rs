@@ -134,6 +134,9 @@ pub struct Conn {
     pub gated: bool,
     /// In the engine's held list: the caller stopped reading it.
     pub held: bool,
+    /// A publish of it went to a peer node whose link is full: not read until that link
+    /// drains (`cluster`).
+    pub link_wait: bool,
     /// Sent at least one PUBLISH.
     pub published: bool,
     /// The caller holds an authentication request about it, not yet answered.
@@ -180,6 +183,7 @@ impl Conn {
             intercepted: 0,
             gated: false,
             held: false,
+            link_wait: false,
             published: false,
             auth_outstanding: false,
             connect_seen: false,

@@ -11,6 +11,7 @@
 //! | `f` | client, seq u64 | in-flight state of message `seq`: packet id, ack awaited |
 //! | `q` | client, packet id u16 | inbound QoS 2 packet id awaiting PUBREL |
 //! | `r` | topic | retained message |
+//! | `o` | peer node, start u64, epoch u64, seq u64 | a data batch for a peer node whose link is down, kept until it acknowledges it (the frame as sent) |
 
 use bytes::Bytes;
 
@@ -24,6 +25,7 @@ pub const MESSAGE: u8 = b'm';
 pub const FLIGHT: u8 = b'f';
 pub const INBOUND: u8 = b'q';
 pub const RETAINED: u8 = b'r';
+pub const OUTBOX: u8 = b'o';
 
 fn client_prefix(kind: u8, client_id: &str, extra: usize) -> Vec<u8> {
     let id = client_id.as_bytes();
@@ -64,6 +66,16 @@ pub fn retained_key(topic: &[u8]) -> Vec<u8> {
     k
 }
 
+/// A batch for peer node `peer` made by the incarnation `epoch` of this node, which
+/// started at wall time `start` (so the batches of several runs sort in the order made).
+pub fn outbox_key(peer: &str, start: u64, epoch: u64, seq: u64) -> Vec<u8> {
+    let mut k = client_prefix(OUTBOX, peer, 24);
+    k.extend_from_slice(&start.to_be_bytes());
+    k.extend_from_slice(&epoch.to_be_bytes());
+    k.extend_from_slice(&seq.to_be_bytes());
+    k
+}
+
 /// A parsed key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Key {
@@ -72,6 +84,12 @@ pub enum Key {
     Flight(String, u64),
     Inbound(String, u16),
     Retained(Bytes),
+    Outbox {
+        peer: String,
+        start: u64,
+        epoch: u64,
+        seq: u64,
+    },
 }
 
 pub fn parse_key(key: &[u8]) -> Option<Key> {
@@ -90,6 +108,12 @@ pub fn parse_key(key: &[u8]) -> Option<Key> {
         (MESSAGE, 8) => Some(Key::Message(id, u64::from_be_bytes(tail.try_into().ok()?))),
         (FLIGHT, 8) => Some(Key::Flight(id, u64::from_be_bytes(tail.try_into().ok()?))),
         (INBOUND, 2) => Some(Key::Inbound(id, u16::from_be_bytes([tail[0], tail[1]]))),
+        (OUTBOX, 24) => Some(Key::Outbox {
+            peer: id,
+            start: u64::from_be_bytes(tail[..8].try_into().ok()?),
+            epoch: u64::from_be_bytes(tail[8..16].try_into().ok()?),
+            seq: u64::from_be_bytes(tail[16..].try_into().ok()?),
+        }),
         _ => None,
     }
 }
@@ -375,6 +399,15 @@ mod tests {
             assert_eq!(
                 parse_key(&message_key(id, 7)),
                 Some(Key::Message(id.into(), 7))
+            );
+            assert_eq!(
+                parse_key(&outbox_key(id, 1, 2, 3)),
+                Some(Key::Outbox {
+                    peer: id.into(),
+                    start: 1,
+                    epoch: 2,
+                    seq: 3
+                })
             );
             assert_eq!(
                 parse_key(&flight_key(id, u64::MAX)),
