@@ -529,19 +529,20 @@ def test_a_peer_sending_malformed_batches_is_dropped_and_changes_nothing(nodes):
             secret=SECRET.encode(),
             advertise="127.0.0.1:9",
             on_message=lambda *a: None,
-            on_peer_up=ups.append,
-            on_peer_down=downs.append,
+            on_data_up=ups.append,
+            on_data_down=downs.append,
         )
         transport.set_targets({parse_address(n2.cluster_address)})
-        transport.maintain()
+        # "hostile" < "n2": it dials the data link, once the control link is up.
         for payload in (b"junk", bad_route_batch()):
             deadline = loop.time() + 5
-            while "n2" not in transport.links and loop.time() < deadline:
+            while "n2" not in transport.data_links and loop.time() < deadline:
                 transport.maintain()
                 await asyncio.sleep(0.05)
-            transport.links["n2"].write_frames(fastbroker_core.encode_frame(DATA, payload), 1)
+            link = transport.data_links["n2"]
+            link.write_frames(fastbroker_core.encode_frame(DATA, payload), 1)
             deadline = loop.time() + 5
-            while "n2" in transport.links and loop.time() < deadline:
+            while "n2" in transport.data_links and loop.time() < deadline:
                 await asyncio.sleep(0.05)
         await transport.close()
         return downs

@@ -309,3 +309,46 @@ def test_a_stranger_cannot_send_much_before_authenticating():
         await b.transport.close()
 
     run(main())
+
+
+def test_control_frames_do_not_wait_behind_a_full_data_link():
+    """Each pair keeps a data link beside the control link: with 40 MiB of data stuck
+    (the peer stops reading it), a control frame still arrives at once."""
+
+    async def main() -> None:
+        writable: list[tuple[str, bool]] = []
+        data_ups: dict[str, list[str]] = {"a": [], "b": []}
+        a = await Peer(
+            "a",
+            on_data_up=data_ups["a"].append,
+            on_writable=lambda peer, w: writable.append((peer, w)),
+        ).listen()
+        b = await Peer("b", on_data_up=data_ups["b"].append).listen()
+        a.dial(b)
+        await until(lambda: a.ups == ["b"] and b.ups == ["a"])
+        # The node with the smaller id dials the data link on its next tick.
+        a.transport.maintain()
+        b.transport.maintain()
+        await until(lambda: data_ups == {"a": ["b"], "b": ["a"]})
+        assert len(a.transport.data_links) == 1 and len(b.transport.data_links) == 1
+        b.transport.data_links["a"].transport.pause_reading()
+        blob = fastbroker_core.encode_frame(tr.DATA_FRAME, b"x" * (1 << 20))
+        for _ in range(40):
+            a.transport.data_links["b"].write_frames(blob, 1)
+        assert ("b", False) in writable
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert a.transport.send("b", 16, {"ping": 1})
+        await until(lambda: (("a", 16, {"ping": 1}) in b.received), 2.0)
+        assert loop.time() - started < 0.5
+        # The data arrives once read again, all of it.
+        b.transport.data_links["a"].transport.resume_reading()
+        await until(lambda: sum(k == tr.DATA_FRAME for _, k, _ in b.received) == 40, 10.0)
+        # A data frame on the control link, or a control frame on the data link, is refused.
+        a.transport.links["b"].send(tr.DATA_FRAME, b"x")
+        await until(lambda: b.downs == ["a"])
+        assert "b" not in a.transport.data_links or a.transport.data_links["b"].closed
+        for p in (a, b):
+            await p.transport.close()
+
+    run(main())

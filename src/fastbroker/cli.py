@@ -246,19 +246,17 @@ def status(admin: str, as_json: bool, partitions: bool) -> None:
     plane = data.get("data_plane") or {}
     if plane:
         click.echo(f"links of node {data['node_id']} (data plane):")
-        links = data.get("links", {})
         table = [
             ("  PEER", "LINK", "FRAMES OUT/IN", "MSGS OUT/IN", "BYTES OUT/IN", "QUEUED", "ROWS")
         ]
         for peer, p in sorted(plane.items()):
-            link = links.get(peer, {})
             table.append(
                 (
                     "  " + peer,
                     "up" if p["up"] else "down",
-                    f"{link.get('frames_out', 0)}/{link.get('frames_in', 0)}",
+                    f"{p['frames_out']}/{p['frames_in']}",
                     f"{p['messages_out']}/{p['messages_in']}",
-                    f"{link.get('bytes_out', 0)}/{link.get('bytes_in', 0)}",
+                    f"{p['bytes_out']}/{p['bytes_in']}",
                     str(p["unacked_bytes"]),
                     str(p["route_rows"]),
                 )

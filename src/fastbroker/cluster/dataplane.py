@@ -4,8 +4,9 @@ messages, as the engine's batches (rust/src/broker/cluster.rs).
 Python's part is per batch, never per message: the connection layer's flush hands over the
 frames the engine made for each peer in this loop iteration (`send`), and each DATA frame a
 peer sends is fed to the engine whole (`receive`). Link events tell the engine when a peer
-can be written to: up (unacknowledged batches go again, then a snapshot of our routes),
-down, and full or drained again (backpressure: the engine keeps the batches meanwhile).
+can be written to (its data link, see fastbroker.cluster.transport): up (unacknowledged
+batches go again, then a snapshot of our routes and our retained set), down, and full or
+drained again (backpressure: the engine keeps the batches meanwhile).
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import os
 from typing import Any
 
 from fastbroker._connection import monotonic_ms
-from fastbroker.cluster.transport import Transport
+from fastbroker.cluster.transport import DATA_FRAME, Transport
 
 logger = logging.getLogger("fastbroker.cluster.dataplane")
 
 # The frame kind of a data batch (fastbroker_core's cluster::batch::DATA_FRAME).
-DATA = 32
+DATA = DATA_FRAME
 
 
 class DataPlane:
@@ -74,7 +75,7 @@ class DataPlane:
         self.server.schedule_flush()
 
     def receive(self, node_id: str, batch: Any) -> None:
-        link = self.transport.links.get(node_id)
+        link = self.transport.data_links.get(node_id)
         if not isinstance(batch, bytes):
             if link is not None:
                 link.fail("data frame without a batch")
@@ -91,7 +92,7 @@ class DataPlane:
     def send(self, frames: list[tuple[int, bytes]]) -> None:
         """Called by the connection layer's flush, once its store batch is written: the
         frames of this loop iteration, at most a few per peer."""
-        links = self.transport.links
+        links = self.transport.data_links
         for peer, frame in frames:
             node_id = self.node_ids.get(peer)
             link = links.get(node_id) if node_id is not None else None

@@ -225,8 +225,8 @@ class ClusterNode:
         self.clients_counted = (0, -1_000_000)
         if engine is not None and server is not None:
             self.dataplane = DataPlane(engine, server, self.transport)
-            self.transport.on_peer_up = self.dataplane.link_up
-            self.transport.on_peer_down = self.dataplane.link_down
+            self.transport.on_data_up = self.dataplane.link_up
+            self.transport.on_data_down = self.dataplane.link_down
             self.transport.on_writable = self.dataplane.writable
 
     # -- lifecycle -------------------------------------------------------------------------

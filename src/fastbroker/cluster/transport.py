@@ -19,13 +19,18 @@ With `[cluster] tls_*` set, every link is TLS both ways with mutual authenticati
 presents its certificate and accepts only peers whose certificate chains to the cluster's CA
 (host names are not checked: the CA is the cluster's own, and the secret is still required).
 
-After the handshake a link carries the control plane's frames (Raft, pings, joins: values
-encoded here) and the data plane's batches (kind DATA: whole frames made by the engine,
-written as they are, see fastbroker.cluster.dataplane).
+Each pair of nodes keeps two links, named in HELLO's `channel`: the control link carries the
+control plane's frames (Raft, pings, joins: values encoded here), the data link the data
+plane's batches (kind DATA: whole frames made by the engine, written as they are, see
+fastbroker.cluster.dataplane). So heartbeats and Raft never wait behind megabytes of
+forwarded messages in a socket buffer, and a peer that reads data slowly is not taken for
+a dead one. The data link is dialled by the node with the smaller id once the control link
+is up, and closed when the control link goes down (the control link's pings are what tell a
+vanished peer).
 A refusal is sent as REJECT {reason} before closing, so the other side logs why.
 
-Two nodes may dial each other at the same moment; the link dialled by the node with the
-smaller id wins and the other is closed, so each pair ends with one connection.
+Two nodes may dial each other's control link at the same moment; the link dialled by the
+node with the smaller id wins and the other is closed, so each pair ends with one.
 
 Fault injection (tests only, off unless the config allows it): `block(node_ids)` drops every
 link to those nodes and refuses them at handshake, which looks to both sides like a network
@@ -56,6 +61,12 @@ MAGIC = "fastbroker-cluster"
 # cannot carry them, is refused at handshake.
 PROTOCOL_MIN = 2
 PROTOCOL_MAX = 2
+
+CONTROL = "control"
+DATA_CHANNEL = "data"
+# The frame kind of a data-plane batch (fastbroker_core's cluster::batch::DATA_FRAME): the
+# only kind a data link carries, and one a control link never does.
+DATA_FRAME = 32
 
 # Frame kinds. 0-15 are the link's own; the node's messages start at 16.
 HELLO = 1
@@ -162,10 +173,17 @@ def link_tls_contexts(
 class Link(asyncio.Protocol):
     """One TCP connection to another node, before and after its handshake."""
 
-    def __init__(self, transport_owner: Transport, dialled: tuple[str, int] | None) -> None:
+    def __init__(
+        self,
+        transport_owner: Transport,
+        dialled: tuple[str, int] | None,
+        channel: str = CONTROL,
+    ) -> None:
         self.owner = transport_owner
         # The address we dialled, or None for an accepted connection.
         self.dialled = dialled
+        # CONTROL or DATA_CHANNEL: said by the dialler in its HELLO.
+        self.channel = channel
         self.transport: asyncio.Transport | None = None
         self.decoder = fastbroker_core.FrameDecoder(MAX_FRAME)
         self.nonce = os.urandom(16)
@@ -198,6 +216,7 @@ class Link(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, hence the cast.
         self.transport = cast(asyncio.Transport, transport)
+        # Only a data link pauses its writer (the engine keeps its batches meanwhile).
         self.transport.set_write_buffer_limits(high=DATA_HIGH_WATER, low=DATA_LOW_WATER)
         owner = self.owner
         owner.handshaking += 1
@@ -215,6 +234,7 @@ class Link(asyncio.Protocol):
                 "node": owner.node_id,
                 "address": owner.advertise,
                 "nonce": self.nonce,
+                "channel": self.channel,
             },
         )
 
@@ -241,11 +261,11 @@ class Link(asyncio.Protocol):
                 self.handshake_step(kind, value)
 
     def pause_writing(self) -> None:
-        if self.up:
+        if self.up and self.channel == DATA_CHANNEL:
             self.owner.link_writable(self, False)
 
     def resume_writing(self) -> None:
-        if self.up:
+        if self.up and self.channel == DATA_CHANNEL:
             self.owner.link_writable(self, True)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -285,7 +305,10 @@ class Link(asyncio.Protocol):
             self.uncount()
             self.up = True
             self.traffic = owner.traffic_of(self.peer_id)
-            owner.link_up(self)
+            if self.channel == DATA_CHANNEL:
+                owner.data_link_up(self)
+            else:
+                owner.link_up(self)
             return
         self.reject(f"unexpected frame kind {kind} during the handshake")
 
@@ -321,6 +344,13 @@ class Link(asyncio.Protocol):
             )
         if node in owner.blocked:
             return "link blocked by fault injection"
+        channel = hello.get("channel", CONTROL)
+        if channel not in (CONTROL, DATA_CHANNEL):
+            return "malformed HELLO"
+        if self.dialled is None:
+            # The dialler names the channel (the acceptor's HELLO went before it knew); both
+            # sides' AUTH covers it, so they agree on it.
+            self.channel = channel
         address = hello.get("address")
         self.peer_id = node
         self.peer_address = address if isinstance(address, str) else None
@@ -337,7 +367,8 @@ class Link(asyncio.Protocol):
         (dialler_id, dialler_nonce), (acceptor_id, acceptor_nonce) = (
             (ours, theirs) if we_dialled else (theirs, ours)
         )
-        transcript = b"\0".join((b"fbc1", dialler_id, acceptor_id)) + dialler_nonce + acceptor_nonce
+        transcript = b"\0".join((b"fbc1", dialler_id, acceptor_id, self.channel.encode()))
+        transcript += dialler_nonce + acceptor_nonce
         role = b"D" if signer_dialled else b"A"
         return hmac.new(self.owner.secret, role + transcript, hashlib.sha256).digest()
 
@@ -436,6 +467,8 @@ class Transport:
         on_peer_up: Callable[[str], None] | None = None,
         on_peer_down: Callable[[str], None] | None = None,
         on_writable: Callable[[str, bool], None] | None = None,
+        on_data_up: Callable[[str], None] | None = None,
+        on_data_down: Callable[[str], None] | None = None,
         protocol_max: int = PROTOCOL_MAX,
         tls: tuple[ssl.SSLContext, ssl.SSLContext] | None = None,
     ) -> None:
@@ -448,11 +481,18 @@ class Transport:
         self.on_peer_up = on_peer_up
         self.on_peer_down = on_peer_down
         self.on_writable = on_writable
+        self.on_data_up = on_data_up
+        self.on_data_down = on_data_down
         # (accepting, dialling) TLS contexts, or None for plain TCP links.
         self.tls = tls
         # Tests set a higher max to check negotiation between versions.
         self.protocol_max = protocol_max
         self.links: dict[str, Link] = {}
+        # The data link of each peer (see the module's doc), and the dialling state of the
+        # ones this node dials: peer -> [next attempt time, backoff].
+        self.data_links: dict[str, Link] = {}
+        self.data_dials: dict[str, list[float]] = {}
+        self.data_dialling: set[str] = set()
         # Addresses we keep a link to (members, seeds): address -> next attempt time, backoff.
         self.targets: dict[tuple[str, int], list[float]] = {}
         self.dialling: set[tuple[str, int]] = set()
@@ -485,7 +525,7 @@ class Transport:
         self.closing = True
         if self.server is not None:
             self.server.close()
-        for link in list(self.links.values()):
+        for link in [*self.links.values(), *self.data_links.values()]:
             link.close("node stopping")
         if self.server is not None:
             await self.server.wait_closed()
@@ -507,6 +547,7 @@ class Transport:
             return
         now = self.loop.time()
         if self.idle_timeout_s is not None:
+            # Control links only: pings keep them busy, a data link may idle.
             for link in list(self.links.values()):
                 if now - link.last_received > self.idle_timeout_s:
                     idle = f"nothing received for {self.idle_timeout_s:.1f} s"
@@ -519,6 +560,41 @@ class Transport:
                 continue
             self.dialling.add(address)
             self.loop.create_task(self.dial(address, state))
+        for peer, link in self.links.items():
+            # Data links are dialled by the node with the smaller id.
+            if peer in self.data_links or peer in self.data_dialling or self.node_id > peer:
+                continue
+            dial_state = self.data_dials.setdefault(peer, [0.0, BACKOFF_MIN_S])
+            address = self.data_address(link)
+            if address is None or now < dial_state[0]:
+                continue
+            self.data_dialling.add(peer)
+            self.loop.create_task(self.dial_data(peer, address, dial_state))
+
+    def data_address(self, link: Link) -> tuple[str, int] | None:
+        """Where to dial the data link of the peer of control link `link`."""
+        if link.dialled is not None:
+            return link.dialled
+        try:
+            return parse_address(link.peer_address or "")
+        except ValueError:
+            return None
+
+    async def dial_data(self, peer: str, address: tuple[str, int], state: list[float]) -> None:
+        try:
+            await asyncio.wait_for(
+                self.loop.create_connection(
+                    lambda: Link(self, address, DATA_CHANNEL),
+                    *address,
+                    ssl=self.tls[1] if self.tls else None,
+                ),
+                HANDSHAKE_TIMEOUT_S,
+            )
+        except Exception as error:
+            logger.debug("cannot open the data link to %s: %s", peer, error)
+            self.back_off(state)
+        finally:
+            self.data_dialling.discard(peer)
 
     async def dial(self, address: tuple[str, int], state: list[float]) -> None:
         try:
@@ -574,7 +650,30 @@ class Transport:
         if self.on_peer_up is not None:
             self.on_peer_up(peer)
 
+    def data_link_up(self, link: Link) -> None:
+        peer = link.peer_id
+        assert peer is not None
+        if peer not in self.links or (link.dialled is None) == (self.node_id < peer):
+            # Only with a control link up, and only dialled by the node with the smaller id.
+            link.close("data link without its control link", level=logging.DEBUG)
+            return
+        existing = self.data_links.get(peer)
+        self.data_links[peer] = link
+        self.data_dials.pop(peer, None)
+        if existing is not None:
+            # A redial (the old one is dead and not noticed yet): the new one replaces it.
+            existing.close("replaced by a new data link", level=logging.DEBUG)
+        if self.on_data_up is not None:
+            self.on_data_up(peer)
+
     def link_lost(self, link: Link) -> None:
+        if link.channel == DATA_CHANNEL:
+            peer = link.peer_id
+            if peer is not None and self.data_links.get(peer) is link:
+                del self.data_links[peer]
+                if self.on_data_down is not None:
+                    self.on_data_down(peer)
+            return
         if link.dialled is not None:
             # Also after a link that came up: one that keeps being closed (a duplicate, a
             # peer that drops it) must not be redialled every tick.
@@ -586,17 +685,23 @@ class Transport:
             del self.links[peer]
             if not self.closing:
                 logger.info("link to %s down", peer)
+            data = self.data_links.get(peer)
+            if data is not None:
+                data.close("control link down", level=logging.DEBUG)
             if self.on_peer_down is not None:
                 self.on_peer_down(peer)
 
     def link_writable(self, link: Link, writable: bool) -> None:
         peer = link.peer_id
-        if peer is not None and self.links.get(peer) is link and self.on_writable is not None:
+        if peer is not None and self.data_links.get(peer) is link and self.on_writable is not None:
             self.on_writable(peer, writable)
 
     def deliver(self, link: Link, kind: int, value: Any) -> None:
         peer = link.peer_id
         if peer is None or peer in self.blocked:
+            return
+        if (kind == DATA_FRAME) != (link.channel == DATA_CHANNEL):
+            link.fail(f"frame kind {kind} on a {link.channel} link")
             return
         try:
             self.on_message(peer, kind, value)
@@ -624,9 +729,10 @@ class Transport:
     def block(self, node_ids: set[str]) -> None:
         """Fault injection: cut and refuse links to these nodes (an empty set heals)."""
         self.blocked = set(node_ids)
-        for peer in list(self.links):
-            if peer in self.blocked:
-                self.links[peer].close("link blocked by fault injection", level=logging.WARNING)
+        for links in (self.links, self.data_links):
+            for peer in list(links):
+                if peer in self.blocked:
+                    links[peer].close("link blocked by fault injection", level=logging.WARNING)
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {
@@ -638,6 +744,7 @@ class Transport:
                 "dropped_frames": link.dropped_frames,
                 "protocol": link.version or 0,
                 "tls": link.tls_version(),
+                "data_link": peer in self.data_links,
             }
             for peer, link in self.links.items()
         }
