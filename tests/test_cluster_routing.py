@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import signal
 import shutil
+import signal
 import socket
 import threading
 import time
@@ -452,7 +452,7 @@ def test_acknowledged_messages_for_a_dead_node_survive_the_publishing_node_dying
     once, keeping them on its disk; n1 is SIGKILLed too. Both come back: the session gets
     every acknowledged message."""
     with Cluster(tmp_path) as cluster:
-        n1, n2, n3 = start_cluster(cluster, 3)
+        n1, _, n3 = start_cluster(cluster, 3)
         topic = unique("outbox")
         session = unique("offline")
         sub = Client(endpoint(n3), client_id=session, version=4, clean=False)

@@ -339,7 +339,7 @@ def test_control_frames_do_not_wait_behind_a_full_data_link():
         loop = asyncio.get_running_loop()
         started = loop.time()
         assert a.transport.send("b", 16, {"ping": 1})
-        await until(lambda: (("a", 16, {"ping": 1}) in b.received), 2.0)
+        await until(lambda: ("a", 16, {"ping": 1}) in b.received, 2.0)
         assert loop.time() - started < 0.5
         # The data arrives once read again, all of it.
         b.transport.data_links["a"].transport.resume_reading()
