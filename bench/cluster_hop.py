@@ -4,6 +4,7 @@ fastbroker cluster, and across two Mosquitto brokers bridged to each other (the 
 Mosquitto offers), side by side in one run.
 
     python bench/cluster_hop.py [--rounds 3] [--duration 5] [--warmup 1] [--tls]
+                                [--nodes 3] [--scenarios pairs,fan-out,latency]
 
 Every measurement gets freshly started brokers. Scenarios (bench/loadgen, QoS 0, 64-byte
 payloads):
@@ -106,9 +107,9 @@ def make_link_certs(directory: Path) -> dict[str, dict[str, str]]:
     return out
 
 
-def start_cluster(base: Path, tls: dict[str, dict[str, str]] | None) -> Setup:
-    """Three nodes on 127.0.0.1, started at once; returns once every data link is up."""
-    ports = [(bench.free_port(), bench.free_port(), bench.free_port()) for _ in range(3)]
+def start_cluster(base: Path, tls: dict[str, dict[str, str]] | None, nodes: int = 3) -> Setup:
+    """`nodes` nodes on 127.0.0.1, started at once; returns once every data link is up."""
+    ports = [(bench.free_port(), bench.free_port(), bench.free_port()) for _ in range(nodes)]
     seed = f"{HOST}:{ports[0][1]}"
     procs, addrs, admins = [], [], []
     for i, (mqtt, link, admin) in enumerate(ports, start=1):
@@ -132,12 +133,12 @@ def start_cluster(base: Path, tls: dict[str, dict[str, str]] | None) -> Setup:
         procs.append(bench.launch("fastbroker", mqtt, workdir, cmd).proc)
         addrs.append(f"{HOST}:{mqtt}")
         admins.append(admin)
-    setup = Setup("cluster" + (" (TLS links)" if tls else ""), procs, addrs)
+    setup = Setup(f"{nodes}-node cluster" + (" (TLS links)" if tls else ""), procs, addrs)
     try:
         for (mqtt, _, _), proc in zip(ports, procs, strict=True):
             wait_port(mqtt, proc, "a cluster node")
         deadline = time.monotonic() + 60
-        while not all(links_up(admin, 2) for admin in admins):
+        while not all(links_up(admin, nodes - 1) for admin in admins):
             if time.monotonic() > deadline:
                 raise RuntimeError("the cluster's data links did not come up")
             time.sleep(0.2)
@@ -253,6 +254,10 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--tls", action="store_true", help="TLS on the cluster's links")
+    parser.add_argument("--nodes", type=int, default=3, help="nodes of the cluster (2 or 3)")
+    parser.add_argument(
+        "--scenarios", default=",".join(s[0] for s in SCENARIOS), help="comma-separated"
+    )
     parser.add_argument("--loadgen", default=None)
     parser.add_argument("--results", default=str(HERE / "results"))
     settings = parser.parse_args()
@@ -261,7 +266,7 @@ def main() -> int:
     tls = make_link_certs(base / "certs") if settings.tls else None
     starters = [
         ("one node", start_single),
-        ("cluster", lambda b: start_cluster(b, tls)),
+        ("cluster", lambda b: start_cluster(b, tls, settings.nodes)),
         ("bridge", start_bridge),
     ]
     # figures[setup][scenario][figure] -> one value per round
@@ -269,7 +274,7 @@ def main() -> int:
     try:
         for round_no in range(1, settings.rounds + 1):
             order = starters if round_no % 2 else list(reversed(starters))
-            for scenario in SCENARIOS:
+            for scenario in [s for s in SCENARIOS if s[0] in settings.scenarios.split(",")]:
                 for key, start in order:
                     # Fresh brokers for every measurement: a bridge's backlog from a flood
                     # must not show up as the next scenario's latency.
@@ -321,7 +326,11 @@ def main() -> int:
     out = Path(settings.results)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"cluster-hop-{time.strftime('%Y%m%dT%H%M%S')}.json"
-    path.write_text(json.dumps({"tls": settings.tls, "figures": figures, "ratios": ratios}))
+    path.write_text(
+        json.dumps(
+            {"tls": settings.tls, "nodes": settings.nodes, "figures": figures, "ratios": ratios}
+        )
+    )
     print(f"\nwritten to {path}")
     return 0
 

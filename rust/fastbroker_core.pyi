@@ -186,10 +186,19 @@ class Engine:
         """A data-plane batch from ``peer`` (the value of its DATA frame): routes its
         messages here, applies its route rows. ValueError for a malformed batch, which then
         changes nothing (drop the link)."""
+    def has_cluster_loads(self) -> bool:
+        """Whether spilled batches of a peer whose link is up are to be read back."""
+    def cluster_loads(self) -> list[tuple[int, list[bytes]]]:
+        """Per peer, the store keys of its spilled batches to read back next, in order."""
+    def cluster_loaded(self, peer: int, records: list[tuple[bytes, bytes | None]]) -> list[str]:
+        """The records read for ``cluster_loads`` (None: missing); returns problems (batches
+        lost: missing or damaged records)."""
     def cluster_stats(self) -> list[dict[str, Any]]:
         """Per peer: node_id, up, frames/messages/bytes in and out, resent, dropped,
         route_rows, unacked_bytes, retained_synced (its retained set has arrived since its
-        link came up), publisher_holds (publishers held because its queue was full)."""
+        link came up), publisher_holds (publishers held because its queue was full),
+        spilled_bytes (of its queue, only in the store) and read_back (spilled batches read
+        back from the store)."""
     def cluster_local_rows(self) -> int:
         """Route rows this node announces (distinct filters of its sessions)."""
     def take_resumed(self) -> list[int]:

@@ -449,9 +449,10 @@ def test_a_node_killed_mid_stream_stalls_no_publisher_and_comes_back_with_the_re
 
 def test_acknowledged_messages_for_a_dead_node_survive_the_publishing_node_dying_too(tmp_path):
     """n3 (holding a persistent session) is dead; n1 acknowledges QoS 1 publishes for it at
-    once, keeping them on its disk; n1 is SIGKILLed too. Both come back: the session gets
-    every acknowledged message."""
-    with Cluster(tmp_path) as cluster:
+    once, keeping them on its disk (2.7 MiB, past the 1 MiB it keeps in memory for a down
+    peer); n1 is SIGKILLed too. Both come back: the session gets every acknowledged message,
+    in order, the most of them read back from n1's disk as the link drains."""
+    with Cluster(tmp_path, {"outbox_memory_mb": 1}) as cluster:
         n1, _, n3 = start_cluster(cluster, 3)
         topic = unique("outbox")
         session = unique("offline")
@@ -463,18 +464,27 @@ def test_acknowledged_messages_for_a_dead_node_survive_the_publishing_node_dying
         n3.kill()
         publisher = Client(endpoint(n1), client_id=unique("opub"), version=5)
         publisher.connect()
+        rng = random.Random(3)
+        # 900: under the session's queue limit (max_queued_messages, 1000).
+        payloads = [i.to_bytes(4, "big") + rng.randbytes(3 * 1024) for i in range(900)]
         started = time.monotonic()
-        for i in range(200):
-            publisher.publish(topic, f"{i}".encode(), qos=1)
-        assert time.monotonic() - started < 10
+        infos = [publisher.publish(topic, p, qos=1, wait=False) for p in payloads]
+        for info in infos:
+            info.wait_for_publish(20)
+            assert info.is_published()
+        assert time.monotonic() - started < 20
         n1.kill()
         cluster.start(1, wait=False)
         cluster.start(3, wait=False, join=cluster.seeds(2))
         wait_for(lambda: serving(n1) and serving(n3), 20, "n1 and n3 serving", n1, n3)
         sub = Client(endpoint(n3), client_id=session, version=4, clean=False)
         sub.connect()
-        got = [m.payload for m in sub.expect(200, 15.0)]
-        assert got == [f"{i}".encode() for i in range(200)]
+        got = [m.payload for m in sub.expect(900, 30.0)]
+        assert [g[:4] for g in got] == [p[:4] for p in payloads]
+        assert got == payloads
+        # Most of it came back from n1's disk, and none of it is left there.
+        assert plane(n1, "n3")["read_back"] > 0
+        wait_for(lambda: plane(n1, "n3")["unacked_bytes"] == 0, 5, "queue drained", n1)
         sub.disconnect()
 
 

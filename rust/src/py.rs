@@ -357,6 +357,31 @@ impl PyEngine {
         }
     }
 
+    fn has_cluster_loads(&self) -> bool {
+        self.inner.has_cluster_loads()
+    }
+
+    fn cluster_loads<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for (peer, keys) in self.inner.cluster_loads() {
+            let keys = PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k)))?;
+            list.append((peer, keys))?;
+        }
+        Ok(list)
+    }
+
+    fn cluster_loaded(
+        &mut self,
+        peer: u16,
+        records: Vec<(Vec<u8>, Option<Vec<u8>>)>,
+    ) -> Vec<String> {
+        let records: Vec<(&[u8], Option<&[u8]>)> = records
+            .iter()
+            .map(|(k, v)| (k.as_slice(), v.as_deref()))
+            .collect();
+        self.inner.cluster_loaded(peer, &records)
+    }
+
     fn cluster_feed(&mut self, peer: u16, data: &[u8], now_ms: u64) -> PyResult<()> {
         self.inner
             .cluster_feed(peer, data, now_ms)
@@ -382,6 +407,8 @@ impl PyEngine {
             d.set_item("unacked_bytes", s.unacked_bytes)?;
             d.set_item("retained_synced", s.retained_synced)?;
             d.set_item("publisher_holds", s.holds)?;
+            d.set_item("spilled_bytes", s.spilled_bytes)?;
+            d.set_item("read_back", s.read_back)?;
             list.append(d)?;
         }
         Ok(list)

@@ -137,6 +137,9 @@ class ClusterConfig:
     tls_certfile: str = ""
     tls_keyfile: str = ""
     tls_cafile: str = ""
+    # A down peer's queue (kept on disk) holds at most this much in memory; the rest is read
+    # back from disk when the peer is back.
+    outbox_memory_mb: int = 64
 
 
 @dataclass(frozen=True)
@@ -384,6 +387,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "tls_certfile": nonempty_string,
         "tls_keyfile": nonempty_string,
         "tls_cafile": nonempty_string,
+        "outbox_memory_mb": integer(1, 1_000_000),
     },
     "admin": {
         "enabled": boolean,

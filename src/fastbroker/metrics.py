@@ -351,6 +351,11 @@ class BrokerCollector:
                 "Publishers not read because their messages waited in a peer's full queue",
             ),
             (
+                "cluster_batches_read_back",
+                "read_back",
+                "Batches for a peer read back from the store after its queue spilled to disk",
+            ),
+            (
                 "cluster_forward_dropped",
                 "dropped",
                 "QoS 0 messages to a peer dropped while its link was down (or far past "
@@ -366,6 +371,11 @@ class BrokerCollector:
                 "cluster_link_queue_bytes",
                 "unacked_bytes",
                 "Bytes of data batches for a peer not yet acknowledged by it",
+            ),
+            (
+                "cluster_link_queue_spilled_bytes",
+                "spilled_bytes",
+                "Bytes of a down peer's queue kept only in the store",
             ),
         )
         for name, field, doc in gauges:

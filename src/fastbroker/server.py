@@ -67,6 +67,7 @@ def engine_config(config: Config) -> dict[str, Any]:
         "compress_above": config.storage.compress_above,
         "max_connections": limits.max_connections,
         "max_publish_rate": limits.max_publish_rate,
+        "cluster_outbox_memory": config.cluster.outbox_memory_mb << 20,
         # auth_required / intercept, only when [auth] is used.
         **engine_keys(config.auth),
     }

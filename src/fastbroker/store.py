@@ -33,6 +33,7 @@ import shutil
 import time
 from bisect import bisect_left
 from collections.abc import Iterator
+from typing import cast
 
 from rocksdict import (
     AccessType,
@@ -450,6 +451,19 @@ class Store:
         if self._db is None:
             raise self._unreadable()
         return self._load(prefix)
+
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """The values of these keys (None where absent), in one read. StoreError if the
+        store cannot be read."""
+        db = self._db
+        if db is None:
+            raise self._unreadable()
+        try:
+            return cast(list[bytes | None], db.get(keys))
+        except Exception as error:
+            raise StoreError(
+                f"cannot read the store in data directory {self.data_dir}: {failure_reason(error)}"
+            ) from None
 
     def _load(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         start = prefix

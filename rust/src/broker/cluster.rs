@@ -33,7 +33,7 @@ use super::state::{Message, SessionId};
 use super::{ConnId, Engine};
 use crate::cluster::batch::{self, Batch, Header, Item, ItemWriter, WireMessage};
 use crate::codec::{self, Packet, QoS};
-use crate::store::records;
+use crate::store::{envelope, records};
 use crate::topics::{self, SubOpts, SubscriptionIndex};
 
 /// A peer node, as numbered by the caller's `cluster_add_peer`.
@@ -53,6 +53,8 @@ const MAX_WAITING_QOS0_BYTES: usize = 64 << 20;
 const HOLD_ABOVE: usize = 16 << 20;
 /// ...and under which they are read again.
 const RESUME_BELOW: usize = 8 << 20;
+/// Bytes of a down peer's spilled batches read back from the store at a time.
+const LOAD_BUDGET: usize = 8 << 20;
 /// A batch is closed once its items reach this size, so frames stay small enough to
 /// interleave with the control plane's and to decode in one go.
 const SEAL_ABOVE: usize = 1 << 20;
@@ -79,6 +81,10 @@ pub struct PeerStats {
     pub retained_synced: bool,
     /// Times a publisher was held because this peer's queue was full.
     pub holds: u64,
+    /// Bytes of the queue only in the store (spilled while the peer was down).
+    pub spilled_bytes: u64,
+    /// Spilled batches read back from the store.
+    pub read_back: u64,
 }
 
 /// A closed batch: reliable ones (`seq` > 0) stay until acknowledged, QoS 0 ones until
@@ -88,10 +94,17 @@ struct Outgoing {
     /// The incarnation of this node that made it: this one's, or an earlier one's for a
     /// batch restored from the store.
     epoch: u64,
+    /// Empty while spilled.
     frame: Vec<u8>,
+    /// The frame's length, also while spilled.
+    len: usize,
     sent: bool,
     /// Its record in the store, once kept there (made or held while the link was down).
     stored: Option<Vec<u8>>,
+    /// Only in the store (the queue of a down peer past `cluster_outbox_memory`), and
+    /// whether it has been asked for (`cluster_loads`).
+    spilled: bool,
+    loading: bool,
 }
 
 struct Peer {
@@ -122,6 +135,10 @@ struct Peer {
     waiters: Vec<ConnId>,
     /// Store records of batches dropped past the bound, to delete.
     dead_records: Vec<Vec<u8>>,
+    /// Bytes of `out` only in the store.
+    spilled_bytes: usize,
+    /// The next batch to send is spilled: its records are to be read back.
+    load_due: bool,
     stats: PeerStats,
 }
 
@@ -147,6 +164,8 @@ impl Peer {
             ack_due: false,
             waiters: Vec::new(),
             dead_records: Vec::new(),
+            spilled_bytes: 0,
+            load_due: false,
             stats: PeerStats::default(),
         }
     }
@@ -189,9 +208,12 @@ impl Peer {
         self.out.push_back(Outgoing {
             seq,
             epoch,
+            len: frame.len(),
             frame,
             sent: false,
             stored: None,
+            spilled: false,
+            loading: false,
         });
         self.item_messages = 0;
         self.bound_queue();
@@ -205,15 +227,16 @@ impl Peer {
                 break;
             };
             let o = self.out.remove(i).expect("found");
-            self.waiting_qos0_bytes -= o.frame.len();
+            self.waiting_qos0_bytes -= o.len;
             self.stats.dropped += 1;
         }
-        while self.unacked_bytes > MAX_UNACKED_BYTES {
-            let Some(i) = self.out.iter().position(|o| o.seq != 0) else {
+        // Only what is in memory counts: a stored queue spills instead (see `spill`).
+        while self.unacked_bytes - self.spilled_bytes > MAX_UNACKED_BYTES {
+            let Some(i) = self.out.iter().position(|o| o.seq != 0 && !o.spilled) else {
                 break;
             };
             let o = self.out.remove(i).expect("found");
-            self.unacked_bytes -= o.frame.len();
+            self.unacked_bytes -= o.len;
             self.stats.dropped += 1;
             self.dead_records.extend(o.stored);
         }
@@ -239,12 +262,17 @@ impl Peer {
             if o.sent {
                 continue;
             }
+            if o.spilled {
+                // Read back first (`cluster_loads`); what follows waits, in order.
+                self.load_due |= !o.loading;
+                break;
+            }
             o.sent = true;
             self.stats.frames_out += 1;
             self.stats.bytes_out += o.frame.len() as u64;
             f(id, &o.frame);
             if o.seq == 0 {
-                self.waiting_qos0_bytes -= o.frame.len();
+                self.waiting_qos0_bytes -= o.len;
             }
         }
         self.out.retain(|o| o.seq != 0 || !o.sent);
@@ -259,10 +287,28 @@ impl Peer {
             .is_some_and(|o| o.seq != 0 && o.epoch == epoch && o.seq <= seq && o.sent)
         {
             let o = self.out.pop_front().expect("checked");
-            self.unacked_bytes -= o.frame.len();
+            self.unacked_bytes -= o.len;
             done.extend(o.stored);
         }
         self.stats.unacked_bytes = self.unacked_bytes as u64;
+    }
+
+    /// Keeps at most `memory` bytes of stored batches in memory: the newest others are left
+    /// only in the store.
+    fn spill(&mut self, memory: usize) {
+        let mut in_memory = self.unacked_bytes - self.spilled_bytes;
+        for o in self.out.iter_mut().rev() {
+            if in_memory <= memory {
+                break;
+            }
+            if o.stored.is_some() && !o.spilled {
+                o.spilled = true;
+                o.frame = Vec::new();
+                self.spilled_bytes += o.len;
+                in_memory -= o.len;
+            }
+        }
+        self.stats.spilled_bytes = self.spilled_bytes as u64;
     }
 }
 
@@ -535,9 +581,10 @@ impl Engine {
         let mut peer = Peer::new(Arc::from(name));
         if let Some(out) = c.restored.remove(name) {
             // Kept for it by an earlier run of this node, while its link was down.
-            peer.unacked_bytes = out.iter().map(|o| o.frame.len()).sum();
+            peer.unacked_bytes = out.iter().map(|o| o.len).sum();
             peer.stats.unacked_bytes = peer.unacked_bytes as u64;
             peer.out = out;
+            peer.spill(self.cfg.cluster_outbox_memory);
         }
         match c.peers.iter().position(Option::is_none) {
             Some(i) => {
@@ -566,9 +613,12 @@ impl Engine {
         out.push_back(Outgoing {
             seq,
             epoch,
+            len: frame.len(),
             frame,
             sent: false,
             stored: Some(key),
+            spilled: false,
+            loading: false,
         });
     }
 
@@ -705,6 +755,103 @@ impl Engine {
         for (key, frame) in puts {
             self.put(key, &frame);
         }
+        let memory = self.cfg.cluster_outbox_memory;
+        if let Some(peer) = self.cluster.peer_mut(id) {
+            if !peer.up {
+                peer.spill(memory);
+            }
+        }
+    }
+
+    /// Whether spilled batches of a peer whose link is up are to be read back.
+    pub fn has_cluster_loads(&self) -> bool {
+        self.cluster.peers.iter().flatten().any(|p| p.load_due)
+    }
+
+    /// The store records to read back for each peer (about `LOAD_BUDGET` bytes each, in
+    /// order); the caller hands them to `cluster_loaded`.
+    pub fn cluster_loads(&mut self) -> Vec<(PeerId, Vec<Vec<u8>>)> {
+        let mut loads = Vec::new();
+        for (i, peer) in self.cluster.peers.iter_mut().enumerate() {
+            let Some(peer) = peer.as_mut() else { continue };
+            if !std::mem::take(&mut peer.load_due) || !peer.up {
+                continue;
+            }
+            let mut keys = Vec::new();
+            let mut bytes = 0;
+            for o in peer.out.iter_mut().filter(|o| o.spilled) {
+                if bytes >= LOAD_BUDGET {
+                    break;
+                }
+                if !o.loading {
+                    o.loading = true;
+                    bytes += o.len;
+                    keys.push(o.stored.clone().expect("a spilled batch is stored"));
+                }
+            }
+            if !keys.is_empty() {
+                loads.push((i as PeerId, keys));
+            }
+        }
+        loads
+    }
+
+    /// Records read back for peer `id` (`None`: missing). A batch asked for but not given
+    /// is asked for again later; one missing or damaged is dropped (counted) and reported.
+    pub fn cluster_loaded(
+        &mut self,
+        id: PeerId,
+        records: &[(&[u8], Option<&[u8]>)],
+    ) -> Vec<String> {
+        let mut problems = Vec::new();
+        let mut gone = Vec::new();
+        let Some(peer) = self.cluster.peer_mut(id) else {
+            return problems;
+        };
+        // Records come back in queue order: one forward scan matches them.
+        let mut at = 0;
+        for &(key, value) in records {
+            let Some(i) =
+                (at..peer.out.len()).find(|&i| peer.out[i].stored.as_deref() == Some(key))
+            else {
+                continue;
+            };
+            at = i;
+            let opened = value.ok_or_else(|| "missing".to_string()).and_then(|v| {
+                envelope::open(key, v)
+                    .map(|b| b.to_vec())
+                    .map_err(|e| e.to_string())
+            });
+            let o = &mut peer.out[i];
+            match opened {
+                Ok(frame) if frame.len() == o.len => {
+                    o.frame = frame;
+                    o.spilled = false;
+                    o.loading = false;
+                    peer.spilled_bytes -= o.len;
+                    peer.stats.read_back += 1;
+                }
+                other => {
+                    let why = other.err().unwrap_or_else(|| "wrong length".into());
+                    problems.push(format!("a stored batch for {} is lost: {why}", peer.name));
+                    let o = peer.out.remove(i).expect("found");
+                    peer.unacked_bytes -= o.len;
+                    peer.spilled_bytes -= o.len;
+                    peer.stats.dropped += 1;
+                    gone.extend(o.stored);
+                }
+            }
+        }
+        for o in peer.out.iter_mut() {
+            o.loading = false;
+        }
+        peer.stats.unacked_bytes = peer.unacked_bytes as u64;
+        peer.stats.spilled_bytes = peer.spilled_bytes as u64;
+        self.cluster.has_output = true;
+        for key in gone {
+            self.delete(key);
+        }
+        problems
     }
 
     /// Whether the store has work from the cluster part: batches for down peers to close
@@ -822,12 +969,16 @@ impl Engine {
         peer.stats.bytes_in += data.len() as u64;
         if h.ack_seq != 0 {
             let mut done = Vec::new();
+            let before = peer.out.len();
             peer.acknowledged(h.ack_epoch, h.ack_seq, &mut done);
+            // Batches held behind the acknowledged ones (another incarnation's) may go.
+            let unblocked = peer.out.len() < before && peer.out.iter().any(|o| !o.sent);
             let newer = h.ack_epoch == own_epoch && h.ack_seq > peer.acked_seq;
             if newer {
                 peer.acked_seq = h.ack_seq;
             }
             let waiting = !peer.waiters.is_empty();
+            self.cluster.has_output |= unblocked;
             for key in done {
                 self.delete(key);
             }

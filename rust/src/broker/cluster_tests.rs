@@ -57,6 +57,10 @@ impl Nodes {
         for _ in 0..20 {
             let mut moved = false;
             for i in 0..self.h.len() {
+                // As the connection layer does: only when the engine says there is output.
+                if !self.h[i].e.has_cluster_output() {
+                    continue;
+                }
                 let mut frames = Vec::new();
                 self.h[i]
                     .e
@@ -544,8 +548,93 @@ fn a_qos1_message_for_a_down_peer_is_stored_and_survives_a_restart_of_its_publis
     // Node 0 dies and comes back: the message goes to node 1 when the link is up.
     restart_node0(&mut n, &disk, 7);
     assert_eq!(payloads(&n.h[1].recv_one(sub)), ["kept"]);
+    // What the new run queued behind the old run's batches (its rows, its retained set)
+    // went too, once those were acknowledged.
+    assert_eq!(n.stats(0, 1).unacked_bytes, 0);
+    assert!(n.stats(1, 0).retained_synced);
     sync(&mut n.h[0], &mut disk);
     assert_eq!(disk.keys().filter(|k| k[0] == b'o').count(), 0);
+}
+
+/// Does what the data plane does with `cluster_loads`: reads the records from `disk`.
+fn serve_loads(h: &mut Harness, disk: &Disk) -> usize {
+    let loads = h.e.cluster_loads();
+    for (peer, keys) in &loads {
+        let recs: Vec<(&[u8], Option<&[u8]>)> = keys
+            .iter()
+            .map(|k| (k.as_slice(), disk.get(k).map(Vec::as_slice)))
+            .collect();
+        assert_eq!(h.e.cluster_loaded(*peer, &recs), Vec::<String>::new());
+    }
+    loads.len()
+}
+
+#[test]
+fn a_long_queue_for_a_down_peer_spills_to_the_store_and_is_read_back_in_order() {
+    for restart_in_between in [false, true] {
+        let mut disk = Disk::new();
+        let cfg = super::Config {
+            cluster_outbox_memory: 1024,
+            ..durable()
+        };
+        let mut h0 = Harness::with(cfg.clone());
+        h0.e.set_wall_clock(h0.now, h0.now);
+        let mut n = Nodes::with(vec![h0, Harness::new()]);
+        let sub = n.h[1].connect("sub", Protocol::V5, false);
+        n.h[1].subscribe(sub, "s/#", QoS::AtLeastOnce);
+        n.settle();
+        n.cut_link(0, 1);
+        let p = n.h[0].connect("p", Protocol::V5, true);
+        let sent: Vec<String> = (0..200)
+            .map(|i| format!("message {i:04} {}", "x".repeat(i)))
+            .collect();
+        for m in &sent {
+            n.h[0].publish(p, "s/1", m, QoS::AtLeastOnce, false);
+            sync(&mut n.h[0], &mut disk);
+        }
+        let kept_in_memory = n.stats(0, 1).unacked_bytes;
+        assert!(kept_in_memory > 10_000, "{kept_in_memory} bytes queued");
+        if restart_in_between {
+            let now = n.h[0].now + 1000;
+            let (mut h, _) = {
+                let mut h = Harness::with(cfg.clone());
+                h.now = now;
+                h.e.set_wall_clock(now, now);
+                let recs: Vec<(&[u8], &[u8])> = disk
+                    .iter()
+                    .map(|(k, v)| (k.as_slice(), v.as_slice()))
+                    .collect();
+                assert!(h.e.restore(&recs).is_empty());
+                let s = h.e.finish_restore(now);
+                (h, s)
+            };
+            h.e.cluster_start(9, "node0");
+            n.peer[0][1] = h.e.cluster_add_peer("node1");
+            n.h[0] = h;
+        }
+        n.heal_link(0, 1);
+        let mut got = Vec::new();
+        let mut loads = 0;
+        for _ in 0..1000 {
+            n.settle();
+            got.extend(payloads(&n.h[1].recv_one(sub)));
+            sync(&mut n.h[0], &mut disk);
+            let served = serve_loads(&mut n.h[0], &disk);
+            loads += served;
+            if served == 0 && !n.h[0].e.has_cluster_loads() {
+                n.settle();
+                got.extend(payloads(&n.h[1].recv_one(sub)));
+                if got.len() >= sent.len() {
+                    break;
+                }
+            }
+        }
+        assert_eq!(got, sent, "restart {restart_in_between}");
+        // Most of the queue was only on disk, read back a few batches at a time.
+        assert!(loads >= 1, "restart {restart_in_between}");
+        sync(&mut n.h[0], &mut disk);
+        assert_eq!(disk.keys().filter(|k| k[0] == b'o').count(), 0);
+    }
 }
 
 #[test]

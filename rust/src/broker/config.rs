@@ -57,6 +57,9 @@ pub struct Config {
     pub intercept: bool,
     /// Intercepted publishes of one connection pending release before it is held.
     pub max_intercepted: usize,
+    /// Bytes of a down peer node's queue kept in memory when the queue is stored; past it
+    /// the newest batches are only in the store, read back when the link is up.
+    pub cluster_outbox_memory: usize,
 }
 
 impl Default for Config {
@@ -87,6 +90,7 @@ impl Default for Config {
             max_conn_buffer: 1 << 20,
             intercept: false,
             max_intercepted: 64,
+            cluster_outbox_memory: 64 << 20,
         }
     }
 }
@@ -158,6 +162,9 @@ impl Config {
             "intercept" => self.intercept = boolean(key, &value)?,
             "max_intercepted" => {
                 self.max_intercepted = int(key, &value, 1, u32::MAX as i64)? as usize
+            }
+            "cluster_outbox_memory" => {
+                self.cluster_outbox_memory = int(key, &value, 0, i64::MAX)? as usize
             }
             "version" => match value {
                 Value::Str(s) => self.version = s,

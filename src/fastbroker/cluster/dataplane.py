@@ -17,6 +17,7 @@ from typing import Any
 
 from fastbroker._connection import monotonic_ms
 from fastbroker.cluster.transport import DATA_FRAME, Transport
+from fastbroker.store import StoreError
 
 logger = logging.getLogger("fastbroker.cluster.dataplane")
 
@@ -98,6 +99,24 @@ class DataPlane:
             link = links.get(node_id) if node_id is not None else None
             if link is not None:
                 link.write_frames(frame, 1)
+        if self.engine.has_cluster_loads():
+            self.load_spilled()
+
+    def load_spilled(self) -> None:
+        """Reads back from the store the next batches of a queue that spilled to disk while
+        its peer was down (a few MiB per peer per call), for the next flush to send."""
+        store = self.server.store
+        for peer, keys in self.engine.cluster_loads():
+            try:
+                values = store.get_many(keys) if store is not None else []
+            except StoreError as error:
+                # Asked for again at the next flush that reaches them.
+                logger.error("%s; batches for %s wait", error, self.node_ids.get(peer))
+                values = []
+            records = list(zip(keys, values, strict=False))
+            for problem in self.engine.cluster_loaded(peer, records):
+                logger.error("%s", problem)
+        self.server.schedule_flush()
 
     def retained_synced(self) -> set[str]:
         """Peers whose whole retained set has arrived since their link came up."""
