@@ -191,12 +191,19 @@ impl Peer {
         } else {
             0
         };
-        let frame = self.items.finish(Header {
-            epoch,
-            seq,
-            ack_epoch: self.recv_epoch,
-            ack_seq: self.recv_seq,
-        });
+        // Compressed only when the link is down (kept on disk) or backed up: then bandwidth
+        // is short and zstd pays; on a link that keeps up it would only cost CPU on both
+        // nodes.
+        let compress = !self.up || !self.writable || self.out.iter().any(|o| !o.sent);
+        let frame = self.items.finish_with(
+            Header {
+                epoch,
+                seq,
+                ack_epoch: self.recv_epoch,
+                ack_seq: self.recv_seq,
+            },
+            compress,
+        );
         self.ack_due = false;
         self.reliable = false;
         self.stats.messages_out += self.item_messages;

@@ -7,7 +7,7 @@
 //! | field | type | meaning |
 //! |---|---|---|
 //! | version | u8 | [`BATCH_VERSION`] |
-//! | flags | u8 | bit 0: the items are zstd-compressed |
+//! | flags | u8 | bit 0: the items are zstd-compressed (large batches, when the link is backed up) |
 //! | epoch | u64 | the sender's incarnation (random per process start) |
 //! | seq | u64 | reliable batch number from 1, or 0: not to be acknowledged (QoS 0 only) |
 //! | ack_epoch, ack_seq | u64, u64 | the receiver's reliable batches taken so far |
@@ -189,15 +189,21 @@ impl ItemWriter {
         self.count += 1;
     }
 
-    /// The whole frame of a batch with these items, ready to write to the link; the
-    /// writer is left empty.
+    /// The whole frame of a batch with these items, ready to write to the link (items
+    /// compressed above [`COMPRESS_ABOVE`]); the writer is left empty.
     pub fn finish(&mut self, header: Header) -> Vec<u8> {
+        self.finish_with(header, true)
+    }
+
+    /// `finish`, compressing only if `compress` (the sender knows whether the link's
+    /// bandwidth or the CPU is what is short).
+    pub fn finish_with(&mut self, header: Header, compress: bool) -> Vec<u8> {
         let items = std::mem::take(&mut self.w.buf);
         let count = std::mem::take(&mut self.count);
         let mut plain = Writer::default();
         plain.u32(count);
         plain.buf.extend_from_slice(&items);
-        let (flags, body) = if plain.buf.len() > COMPRESS_ABOVE {
+        let (flags, body) = if compress && plain.buf.len() > COMPRESS_ABOVE {
             match zstd::bulk::compress(&plain.buf, 1) {
                 Ok(c) if c.len() < plain.buf.len() => (FLAG_ZSTD, c),
                 _ => (0, plain.buf),
@@ -474,6 +480,14 @@ mod tests {
         let body = body_of(&frame);
         let batch = Batch::decode(&body).unwrap();
         assert_eq!(batch.items().unwrap().len(), 1000);
+        // Unless the sender says the link keeps up.
+        for _ in 0..1000 {
+            w.raw_item(&m);
+        }
+        let frame = w.finish_with(Header::default(), false);
+        assert!(frame.len() > plain, "{} of {plain}", frame.len());
+        let body = body_of(&frame);
+        assert_eq!(Batch::decode(&body).unwrap().items().unwrap().len(), 1000);
     }
 
     #[test]
