@@ -31,7 +31,7 @@ use super::cluster_retained::RetainedStamps;
 use super::router::{forwarded_props, Scope};
 use super::state::{Message, SessionId};
 use super::{ConnId, Engine};
-use crate::cluster::batch::{self, Batch, Header, Item, ItemWriter, WireMessage};
+use crate::cluster::batch::{self, Batch, Header, Item, ItemWriter, Stamp, WireMessage};
 use crate::codec::{self, Packet, QoS};
 use crate::store::{envelope, records};
 use crate::topics::{self, SubOpts, SubscriptionIndex};
@@ -1139,20 +1139,8 @@ impl Engine {
             if !groups.is_empty() || cached != Some(plain) {
                 cached = groups.is_empty().then_some(plain);
                 item.clear();
-                batch::encode_message(
-                    &WireMessage {
-                        topic: &msg.topic,
-                        payload: &msg.payload,
-                        qos: msg.qos as u8,
-                        retain: msg.retain,
-                        expires_in_ms: msg.expires_at.map(|t| t.saturating_sub(now)),
-                        props: &props,
-                        plain,
-                        groups,
-                        stamp: msg.retain.then(|| c.retained.routing.unwrap_or_default()),
-                    },
-                    &mut item,
-                );
+                let stamp = msg.retain.then(|| c.retained.routing.unwrap_or_default());
+                encode_routed(msg, &props, now, plain, groups, stamp, &mut item);
             }
             let Some(peer) = c.peers.get_mut(usize::from(id)).and_then(Option::as_mut) else {
                 continue;
@@ -1300,6 +1288,32 @@ impl Engine {
     pub fn cluster_local_rows(&self) -> usize {
         self.cluster.local_filters.len()
     }
+}
+
+/// `msg` as an item of a batch (`props` already encoded), its expiry counted down to `now`.
+pub(super) fn encode_routed(
+    msg: &Message,
+    props: &[u8],
+    now: u64,
+    plain: bool,
+    groups: Vec<&str>,
+    stamp: Option<Stamp>,
+    out: &mut Vec<u8>,
+) {
+    batch::encode_message(
+        &WireMessage {
+            topic: &msg.topic,
+            payload: &msg.payload,
+            qos: msg.qos as u8,
+            retain: msg.retain,
+            expires_in_ms: msg.expires_at.map(|t| t.saturating_sub(now)),
+            props,
+            plain,
+            groups,
+            stamp,
+        },
+        out,
+    );
 }
 
 /// A forwarded message as this node routes it. Checked like a client's publish would be:

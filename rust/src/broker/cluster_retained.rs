@@ -20,7 +20,7 @@ use std::collections::{HashMap, VecDeque};
 
 use bytes::Bytes;
 
-use super::cluster::PeerId;
+use super::cluster::{encode_routed, PeerId};
 use super::Engine;
 use crate::cluster::batch::{self, Stamp, WireMessage};
 use crate::codec;
@@ -163,20 +163,9 @@ impl Engine {
                 codec::encode_properties(p, &mut props).expect("retained properties encode");
             }
             item.clear();
-            batch::encode_message(
-                &WireMessage {
-                    topic: &msg.topic,
-                    payload: &msg.payload,
-                    qos: msg.qos as u8,
-                    retain: true,
-                    expires_in_ms: msg.expires_at.map(|t| t.saturating_sub(now)),
-                    props: &props,
-                    plain: false,
-                    groups: Vec::new(),
-                    stamp: Some(r.stamp_of(&msg.topic)),
-                },
-                &mut item,
-            );
+            // Kept only: plain off, no groups.
+            let stamp = Some(r.stamp_of(&msg.topic));
+            encode_routed(msg, &props, now, false, Vec::new(), stamp, &mut item);
             items.push(item.clone());
         }
         for (topic, stamp) in r.tombstones() {

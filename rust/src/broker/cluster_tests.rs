@@ -1,7 +1,7 @@
 //! Engines of several nodes wired together in memory: each node's `drain_cluster` frames are
 //! fed to the peer named (through the real frame decoder), as the link layer does.
 
-use super::durable_tests::{durable, restart, sync, Disk};
+use super::durable_tests::{durable, restart, restart_with, sync, Disk};
 use super::tests::{publishes, Harness};
 use crate::cluster::batch::{self, Stamp, WireMessage};
 use crate::cluster::{FrameDecoder, Value};
@@ -595,19 +595,7 @@ fn a_long_queue_for_a_down_peer_spills_to_the_store_and_is_read_back_in_order() 
         let kept_in_memory = n.stats(0, 1).unacked_bytes;
         assert!(kept_in_memory > 10_000, "{kept_in_memory} bytes queued");
         if restart_in_between {
-            let now = n.h[0].now + 1000;
-            let (mut h, _) = {
-                let mut h = Harness::with(cfg.clone());
-                h.now = now;
-                h.e.set_wall_clock(now, now);
-                let recs: Vec<(&[u8], &[u8])> = disk
-                    .iter()
-                    .map(|(k, v)| (k.as_slice(), v.as_slice()))
-                    .collect();
-                assert!(h.e.restore(&recs).is_empty());
-                let s = h.e.finish_restore(now);
-                (h, s)
-            };
+            let (mut h, _) = restart_with(&disk, n.h[0].now + 1000, cfg.clone());
             h.e.cluster_start(9, "node0");
             n.peer[0][1] = h.e.cluster_add_peer("node1");
             n.h[0] = h;

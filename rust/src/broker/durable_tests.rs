@@ -32,7 +32,12 @@ pub(super) fn sync(h: &mut Harness, disk: &mut Disk) {
 }
 
 pub(super) fn restart(disk: &Disk, now: u64) -> (Harness, RestoreSummary) {
-    let mut h = Harness::with(durable());
+    restart_with(disk, now, durable())
+}
+
+/// `restart` with this engine config.
+pub(super) fn restart_with(disk: &Disk, now: u64, cfg: Config) -> (Harness, RestoreSummary) {
+    let mut h = Harness::with(cfg);
     h.now = now;
     h.e.set_wall_clock(now, now);
     let recs: Vec<(&[u8], &[u8])> = disk
