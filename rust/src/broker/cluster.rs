@@ -854,7 +854,8 @@ impl Engine {
         }
         peer.stats.unacked_bytes = peer.unacked_bytes as u64;
         peer.stats.spilled_bytes = peer.spilled_bytes as u64;
-        self.cluster.has_output = true;
+        // Nothing given (the store failed): asked for again by a later flush, not at once.
+        self.cluster.has_output |= !records.is_empty();
         for key in gone {
             self.delete(key);
         }

@@ -106,17 +106,20 @@ class DataPlane:
         """Reads back from the store the next batches of a queue that spilled to disk while
         its peer was down (a few MiB per peer per call), for the next flush to send."""
         store = self.server.store
+        loaded = False
         for peer, keys in self.engine.cluster_loads():
             try:
                 values = store.get_many(keys) if store is not None else []
             except StoreError as error:
-                # Asked for again at the next flush that reaches them.
+                # Asked for again by a later flush (not at once: no loop on a broken store).
                 logger.error("%s; batches for %s wait", error, self.node_ids.get(peer))
                 values = []
+            loaded |= bool(values)
             records = list(zip(keys, values, strict=False))
             for problem in self.engine.cluster_loaded(peer, records):
                 logger.error("%s", problem)
-        self.server.schedule_flush()
+        if loaded:
+            self.server.schedule_flush()
 
     def retained_synced(self) -> set[str]:
         """Peers whose whole retained set has arrived since their link came up."""
