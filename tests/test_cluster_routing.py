@@ -446,6 +446,17 @@ def test_a_node_killed_mid_stream_stalls_no_publisher_and_comes_back_with_the_re
         assert sorted(got) == sorted(f"{root}/{i}" for i in range(40))
         assert got[f"{root}/7"] == b"v7"
 
+        # A node joining for the first time (no map yet) waits the same way.
+        for node in (n1, n2, n3):
+            node.block(["n4"])
+        n4 = cluster.start(4, join=cluster.seeds(1))
+        assert not serving(n4)
+        for node in (n1, n2, n3):
+            node.block([])
+        wait_for(lambda: serving(n4), 20, "n4 serving", n4)
+        got = retained_values(n4, f"{root}/#")
+        assert sorted(got) == sorted(f"{root}/{i}" for i in range(40))
+
 
 def test_acknowledged_messages_for_a_dead_node_survive_the_publishing_node_dying_too(tmp_path):
     """n3 (holding a persistent session) is dead; n1 acknowledges QoS 1 publishes for it at

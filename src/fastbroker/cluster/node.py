@@ -771,26 +771,31 @@ class ClusterNode:
         return self.clients_counted[0]
 
     def retained_pending(self, reachable_only: bool) -> list[str]:
-        """Other members of the map whose retained set has not arrived since their link came
-        up: all of them, or only those whose link is up (`reachable_only`)."""
+        """Other nodes whose retained set has not arrived since their link came up: members
+        of the map, and any node linked to us (a first-time joiner has no map yet, only the
+        links to the nodes it joins through); all of them, or only the reachable ones."""
         if self.dataplane is None:
             return []
         synced = self.dataplane.retained_synced()
-        return [
-            member
-            for member in self.map.members
-            if member != self.node_id
-            and member not in synced
-            and (not reachable_only or member in self.transport.links)
-        ]
+        linked = self.transport.links
+        peers = set(self.map.members) | set(linked)
+        peers.discard(self.node_id)
+        return sorted(
+            peer for peer in peers if peer not in synced and (not reachable_only or peer in linked)
+        )
+
+    def has_cluster_to_join(self) -> bool:
+        """A node that is in no map yet but has somewhere to look for a cluster."""
+        return not self.map.members and bool(self.seeds or self.discovery is not None)
 
     async def wait_retained(self) -> None:
         """Before clients are served: waits until every other member has sent its retained
         set, so a node that comes back answers subscribes with the cluster's retained
-        messages. A member still unreachable after the failure timeout counts as failed: the
-        node serves without it (and gets its set once its link comes up)."""
+        messages; a first-time joiner waits for a link to the cluster and the sets of the
+        nodes it links to. A member still unreachable after the failure timeout counts as
+        failed: the node serves without it (and gets its set once its link comes up)."""
         deadline = monotonic_ms() + self.settings.failure_timeout_ms
-        while self.retained_pending(False) and monotonic_ms() < deadline:
+        while monotonic_ms() < deadline and (self.retained_pending(False) or self.unlinked()):
             await asyncio.sleep(0.02)
         missing = self.retained_pending(False)
         if missing:
@@ -798,6 +803,12 @@ class ClusterNode:
                 "serving clients before the retained messages of %s arrived (unreachable)",
                 ", ".join(missing),
             )
+        elif self.unlinked():
+            logger.warning("serving clients before any node of the cluster was reachable")
+
+    def unlinked(self) -> bool:
+        """A first-time joiner that has no link to the cluster yet."""
+        return self.has_cluster_to_join() and not self.transport.links
 
     def status(self) -> dict[str, Any]:
         raft = self.raft
