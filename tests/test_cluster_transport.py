@@ -110,7 +110,8 @@ def test_wrong_secret_and_wrong_cluster_are_refused():
 
 def test_protocol_version_negotiated():
     async def main() -> None:
-        new, old = await Peer("new", protocol_max=3).listen(), await Peer("old").listen()
+        new = await Peer("new", protocol_max=tr.PROTOCOL_MAX + 1).listen()
+        old = await Peer("old", protocol_max=2).listen()
         new.dial(old)
         await until(lambda: new.ups and old.ups)
         assert new.transport.links["old"].version == 2
@@ -348,6 +349,58 @@ def test_control_frames_do_not_wait_behind_a_full_data_link():
         a.transport.links["b"].send(tr.DATA_FRAME, b"x")
         await until(lambda: b.downs == ["a"])
         assert "b" not in a.transport.data_links or a.transport.data_links["b"].closed
+        for p in (a, b):
+            await p.transport.close()
+
+    run(main())
+
+
+def test_a_data_link_that_goes_silent_is_dialled_again_while_its_control_link_stays():
+    """Idle data links keep each other alive with keepalives; one whose peer sends nothing
+    on it any more (a half-open connection) is closed after the idle timeout and dialled
+    again, without taking the control link down."""
+
+    async def main() -> None:
+        data_ups: dict[str, list[str]] = {"a": [], "b": []}
+        a = await Peer("a", on_data_up=data_ups["a"].append).listen()
+        b = await Peer("b", on_data_up=data_ups["b"].append).listen()
+        for p in (a, b):
+            p.transport.idle_timeout_s = 0.4
+        a.dial(b)
+        await until(lambda: a.ups == ["b"] and b.ups == ["a"])
+        control = a.transport.links["b"]
+        b_silent = False
+
+        async def ticks(seconds: float, done=lambda: False) -> None:
+            # What the node's tick does: maintain, and pings on the control links.
+            end = asyncio.get_running_loop().time() + seconds
+            while asyncio.get_running_loop().time() < end and not done():
+                a.transport.maintain()
+                if not b_silent:
+                    b.transport.maintain()
+                a.transport.send("b", 16, "ping")
+                b.transport.send("a", 16, "ping")
+                await asyncio.sleep(0.05)
+
+        await ticks(3.0, lambda: data_ups == {"a": ["b"], "b": ["a"]})
+        assert data_ups == {"a": ["b"], "b": ["a"]}
+        data = a.transport.data_links["b"]
+        assert data.version == tr.PROTOCOL_MAX
+        await ticks(1.2)
+        # Idle for three idle timeouts: kept up by keepalives alone.
+        assert a.transport.data_links.get("b") is data and not data.closed
+        assert not any(k == tr.DATA_KEEPALIVE for _, k, _ in a.received + b.received)
+        b_silent = True
+        await ticks(2.0, lambda: data.closed)
+        assert data.closed
+        b_silent = False
+        await ticks(5.0, lambda: len(data_ups["a"]) == 2)
+        assert data_ups["a"] == ["b", "b"]
+        again = a.transport.data_links["b"]
+        assert again is not data
+        await ticks(1.0)
+        assert a.transport.data_links.get("b") is again and not again.closed
+        assert a.transport.links["b"] is control and not control.closed
         for p in (a, b):
             await p.transport.close()
 

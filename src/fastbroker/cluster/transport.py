@@ -56,17 +56,21 @@ logger = logging.getLogger("fastbroker.cluster.transport")
 
 MAGIC = "fastbroker-cluster"
 # The inter-node protocol versions this build speaks. A node of the next release speaks
-# [2, 3] and talks 2 with this one, which lets a cluster run mixed during a rolling upgrade.
+# [2, 4] and talks 3 with this one, which lets a cluster run mixed during a rolling upgrade.
 # Version 2 added the data plane (routes and forwarded messages): a version 1 node, which
-# cannot carry them, is refused at handshake.
+# cannot carry them, is refused at handshake. Version 3 added DATA_KEEPALIVE.
 PROTOCOL_MIN = 2
-PROTOCOL_MAX = 2
+PROTOCOL_MAX = 3
 
 CONTROL = "control"
 DATA_CHANNEL = "data"
 # The frame kind of a data-plane batch (fastbroker_core's cluster::batch::DATA_FRAME): the
 # only kind a data link carries, and one a control link never does.
 DATA_FRAME = 32
+# Sent on a data link (version 3 on) that carried nothing for a while, so that a peer's data
+# link that went silent (half-open, black-holed) is noticed and dialled again, even while the
+# control link beside it stays up.
+DATA_KEEPALIVE = 33
 
 # Frame kinds. 0-15 are the link's own; the node's messages start at 16.
 HELLO = 1
@@ -210,6 +214,10 @@ class Link(asyncio.Protocol):
         self.last_received = transport_owner.loop.time()
         # Socket writes made by flush(): frames queued in one loop iteration share one.
         self.writes = 0
+        # When a data link last looked at its bytes_out, and what it was then: a link that
+        # sent nothing since gets a DATA_KEEPALIVE (no per-batch cost for this).
+        self.keepalive_at = self.last_received
+        self.keepalive_bytes = 0
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -547,11 +555,24 @@ class Transport:
             return
         now = self.loop.time()
         if self.idle_timeout_s is not None:
-            # Control links only: pings keep them busy, a data link may idle.
+            idle = f"nothing received for {self.idle_timeout_s:.1f} s"
+            # Control links: the node's pings keep them busy.
             for link in list(self.links.values()):
                 if now - link.last_received > self.idle_timeout_s:
-                    idle = f"nothing received for {self.idle_timeout_s:.1f} s"
                     link.close(idle, level=logging.WARNING)
+            # Data links: their batches or, when idle, keepalives (a version 2 peer sends
+            # none; its data link goes down with its control link).
+            keepalive_s = self.idle_timeout_s / 4
+            for link in list(self.data_links.values()):
+                if link.version is None or link.version < 3:
+                    continue
+                if now - link.last_received > self.idle_timeout_s:
+                    link.close(f"data link: {idle}", level=logging.WARNING)
+                elif now - link.keepalive_at >= keepalive_s:
+                    if link.bytes_out == link.keepalive_bytes:
+                        link.send_now(DATA_KEEPALIVE, None)
+                    link.keepalive_at = now
+                    link.keepalive_bytes = link.bytes_out
         for address, state in self.targets.items():
             known = self.address_ids.get(address)
             if known is not None and known in self.links:
@@ -699,6 +720,8 @@ class Transport:
     def deliver(self, link: Link, kind: int, value: Any) -> None:
         peer = link.peer_id
         if peer is None or peer in self.blocked:
+            return
+        if kind == DATA_KEEPALIVE and link.channel == DATA_CHANNEL:
             return
         if (kind == DATA_FRAME) != (link.channel == DATA_CHANNEL):
             link.fail(f"frame kind {kind} on a {link.channel} link")
