@@ -177,6 +177,11 @@ class Engine:
         """This node leaves the cluster: its route rows are withdrawn from every peer."""
     def cluster_set_writable(self, peer: int, writable: bool) -> None:
         """The link's write buffer went over (False) or back under (True) its high mark."""
+    def cluster_set_protocol(self, peer: int, version: int) -> None:
+        """The inter-node protocol version agreed on the peer's link (2 until told)."""
+    def kick(self, client_id: str, cluster: bool, now_ms: int) -> bool:
+        """Ends the client's connection (MQTT 5: DISCONNECT 0x98) and session here and, with
+        ``cluster``, on every reachable peer of protocol 3; True if this node held it."""
     def has_cluster_output(self) -> bool:
         """Whether ``drain_cluster`` has anything to hand out."""
     def drain_cluster(self) -> list[tuple[int, bytes]]:

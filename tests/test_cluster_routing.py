@@ -16,6 +16,8 @@ import random
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -497,6 +499,41 @@ def test_acknowledged_messages_for_a_dead_node_survive_the_publishing_node_dying
         assert plane(n1, "n3")["read_back"] > 0
         wait_for(lambda: plane(n1, "n3")["unacked_bytes"] == 0, 5, "queue drained", n1)
         sub.disconnect()
+
+
+def test_a_client_kicked_through_one_node_loses_its_connection_and_session_on_another(nodes):
+    n1, n2, n3 = nodes
+    expiry = {"SessionExpiryInterval": 300}
+    v5, v3 = unique("kick5"), unique("kick3")
+    c5 = Client(endpoint(n3), client_id=v5, version=5, clean=False, props=expiry)
+    c5.connect()
+    c5.subscribe(f"{v5}/cmd", qos=1)
+    c3 = Client(endpoint(n2), client_id=v3, version=4, clean=False)
+    c3.connect()
+    c3.subscribe(f"{v3}/cmd", qos=1)
+    # The CLI, through n1's admin endpoint (n1 holds neither).
+    kicked = subprocess.run(
+        [sys.executable, "-m", "fastbroker", "clients", "kick", v5, "--admin", n1.admin],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert kicked.returncode == 0, kicked.stderr
+    assert f"kicked {v5}" in kicked.stdout and "not held on this node" in kicked.stdout
+    wait_for(lambda: c5.disconnect_rc is not None, 5, "the kicked client disconnected", n3)
+    assert c5.disconnect_rc == 0x98 and c5.disconnect_from_server
+    # The endpoint itself; a 3.1.1 client is just closed.
+    assert n1.request("POST", "/clients/kick", {"client_id": v3}) == {
+        "client_id": v3,
+        "held_here": False,
+    }
+    wait_for(lambda: c3.disconnect_rc is not None, 5, "the kicked client disconnected", n2)
+    # Their sessions went with them: a reconnect finds none.
+    for node, cid, version, props in ((n3, v5, 5, expiry), (n2, v3, 4, None)):
+        again = Client(endpoint(node), client_id=cid, version=version, clean=False, props=props)
+        assert not again.connect().session_present
+        again.disconnect()
+    assert "error" in n1.request("POST", "/clients/kick", {"client": v3})
 
 
 def test_concurrent_retained_writes_on_different_nodes_end_in_one_value(nodes):

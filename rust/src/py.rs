@@ -339,6 +339,16 @@ impl PyEngine {
         self.inner.cluster_set_writable(peer, writable)
     }
 
+    fn cluster_set_protocol(&mut self, peer: u16, version: u16) {
+        self.inner.cluster_set_protocol(peer, version)
+    }
+
+    /// Ends `client_id`'s connection (DISCONNECT 0x98) and session here and, with `cluster`,
+    /// on every reachable peer; true if this node held its session.
+    fn kick(&mut self, client_id: &str, cluster: bool, now_ms: u64) -> bool {
+        self.inner.kick(client_id, cluster, now_ms)
+    }
+
     fn has_cluster_output(&self) -> bool {
         self.inner.has_cluster_output()
     }

@@ -11,6 +11,8 @@ client cannot hold it.
   GET  /metrics         Prometheus text format (fastbroker.metrics)
   GET  /cluster/status  members, their state, partitions held, map version (JSON)
   POST /cluster/leave   this node leaves the cluster, then stops (JSON result)
+  POST /clients/kick    {"client_id": "..."}: ends that client's connection (MQTT 5:
+                        DISCONNECT 0x98) and session on this node and every reachable one
   POST /debug/block     {"nodes": [...]}: cut links to those nodes; [] heals. Only with
                         [cluster] fault_injection = true (tests of network splits).
 
@@ -206,10 +208,12 @@ def routes(
     metrics: Callable[[], bytes] | None = None,
     metrics_content_type: str = "text/plain; version=0.0.4; charset=utf-8",
     readiness: Readiness | None = None,
+    kick: Callable[[str], bool] | None = None,
 ) -> Handler:
     """The endpoint's routes; `cluster` is the ClusterNode, or None for a standalone broker;
     `on_left` runs once the node has left its cluster (it then stops); `metrics` renders the
-    /metrics document and `readiness` answers /ready (both 404 when None)."""
+    /metrics document and `readiness` answers /ready, `kick` ends a client id and says
+    whether this node held it (each route 404 when None)."""
 
     async def handle(method: str, path: str, body: bytes) -> tuple[int, Any]:
         if path == "/health":
@@ -240,6 +244,14 @@ def routes(
             if left:
                 on_left()
             return (200 if left else 503), {"left": left}
+        if path == "/clients/kick" and kick is not None:
+            if method != "POST":
+                return 405, {"error": "use POST"}
+            request = parse_json_body(body)
+            client_id = request.get("client_id") if isinstance(request, dict) else None
+            if not isinstance(client_id, str) or len(client_id.encode()) > 65535:
+                return 400, {"error": 'POST {"client_id": "..."}'}
+            return 200, {"client_id": client_id, "held_here": kick(client_id)}
         if path == "/debug/block":
             if cluster is None or not fault_injection:
                 return 404, {"error": "fault injection is off ([cluster] fault_injection)"}

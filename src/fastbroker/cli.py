@@ -141,7 +141,7 @@ def cluster() -> None:
     """Inspect and change the cluster through a node's admin endpoint."""
 
 
-def admin_request(admin: str, method: str, path: str, timeout: float) -> Any:
+def admin_request(admin: str, method: str, path: str, timeout: float, body: Any = None) -> Any:
     import json
     import urllib.error
     import urllib.request
@@ -154,7 +154,7 @@ def admin_request(admin: str, method: str, path: str, timeout: float) -> Any:
     request = urllib.request.Request(
         url,
         method=method,
-        data=b"" if method == "POST" else None,
+        data=(json.dumps(body).encode() if body is not None else b"") if method == "POST" else None,
         # The admin endpoint's guard against POSTs from web pages (fastbroker.admin).
         headers={"X-Fastbroker-Admin": "1"},
     )
@@ -276,6 +276,21 @@ def leave(admin: str) -> None:
     if not data.get("left"):
         fail(f"the node did not leave: {data.get('error', 'no majority agreed in time')}", 1)
     click.echo("left the cluster; the node is stopping")
+
+
+@main.group()
+def clients() -> None:
+    """Act on clients through a node's admin endpoint."""
+
+
+@clients.command()
+@click.argument("client_id")
+@click.option("--admin", default=DEFAULT_ADMIN, show_default=True, metavar="HOST:PORT")
+def kick(client_id: str, admin: str) -> None:
+    """End CLIENT_ID's connection and session on every node of the cluster."""
+    data = admin_request(admin, "POST", "/clients/kick", 5.0, {"client_id": client_id})
+    where = "this node held its session" if data.get("held_here") else "not held on this node"
+    click.echo(f"kicked {client_id} on every reachable node ({where})")
 
 
 @main.command()

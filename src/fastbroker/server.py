@@ -381,6 +381,11 @@ async def start_admin(
         # Leaving ends the node: its partitions now live elsewhere.
         asyncio.get_running_loop().call_later(0.2, stop_requested.set)
 
+    def kick(client_id: str) -> bool:
+        held = engine.kick(client_id, cluster is not None, monotonic_ms())
+        server.schedule_flush()
+        return held
+
     readiness = Readiness(
         stopping=stop_requested, listeners=listeners, server=server, store=store, cluster=cluster
     )
@@ -400,6 +405,7 @@ async def start_admin(
         metrics=BrokerMetrics(collector).render,
         metrics_content_type=CONTENT_TYPE,
         readiness=readiness,
+        kick=kick,
     )
     admin = AdminServer(handle)
     host, port = config.admin.host, config.admin.port

@@ -112,6 +112,8 @@ struct Peer {
     /// The link is up and may take more bytes now.
     up: bool,
     writable: bool,
+    /// The inter-node protocol version of its link (items a version lacks are not sent).
+    protocol: u16,
     /// The filters this peer's sessions hold, and which version of them (in the peer's
     /// incarnation `rows_epoch`) is applied here.
     rows: HashSet<Arc<str>>,
@@ -148,6 +150,7 @@ impl Peer {
             name,
             up: false,
             writable: true,
+            protocol: 2,
             rows: HashSet::new(),
             rows_epoch: 0,
             rows_version: 0,
@@ -705,6 +708,28 @@ impl Engine {
         }
     }
 
+    /// The protocol version agreed on peer `id`'s link (2 until told).
+    pub fn cluster_set_protocol(&mut self, id: PeerId, version: u16) {
+        if let Some(peer) = self.cluster.peer_mut(id) {
+            peer.protocol = version;
+        }
+    }
+
+    /// Tells every reachable peer that speaks protocol 3 to kick `client_id` (a peer that is
+    /// down does not hear of it: the client may connect there anew meanwhile).
+    pub(super) fn cluster_kick(&mut self, client_id: &str) {
+        let c = &mut self.cluster;
+        let mut any = false;
+        c.each_up_peer(|peer| {
+            if peer.protocol >= 3 {
+                peer.items.kick(client_id);
+                peer.reliable = true;
+                any = true;
+            }
+        });
+        c.has_output |= any;
+    }
+
     /// The link's write buffer went over (false) or back under (true) its high mark.
     pub fn cluster_set_writable(&mut self, id: PeerId, writable: bool) {
         if let Some(peer) = self.cluster.peer_mut(id) {
@@ -964,7 +989,7 @@ impl Engine {
                     }
                     messages.push(message_from_wire(m, now)?);
                 }
-                Item::Resync | Item::RetainedSent => {}
+                Item::Resync | Item::RetainedSent | Item::Kick { .. } => {}
             }
         }
         let h = batch.header;
@@ -1050,6 +1075,9 @@ impl Engine {
                 Item::Resync => c.queue_snapshot(id),
                 Item::RetainedSent => {
                     c.peer_mut(id).expect("checked").stats.retained_synced = true;
+                }
+                Item::Kick { client_id } => {
+                    self.kick_local(client_id, now);
                 }
                 Item::Message(m) => {
                     let msg = messages.next().expect("one per message item");

@@ -830,3 +830,46 @@ fn a_shared_subscription_gets_each_message_once_cluster_wide() {
     assert_eq!(got_g, want, "group g: each message exactly once");
     assert_eq!(per_node, [10, 10, 10], "round robin over the three nodes");
 }
+
+#[test]
+fn a_kick_on_one_node_ends_the_client_on_every_node_that_speaks_protocol_3() {
+    let mut n = Nodes::new(3);
+    // Nodes 0 and 1 speak protocol 3 to each other; node 2's link to node 0 speaks 2.
+    let (p01, p10) = (n.peer[0][1], n.peer[1][0]);
+    n.h[0].e.cluster_set_protocol(p01, 3);
+    n.h[1].e.cluster_set_protocol(p10, 3);
+    let v5 = n.h[1].connect("dev5", Protocol::V5, true);
+    let v3 = n.h[1].connect("dev3", Protocol::V311, false);
+    n.h[1].subscribe(v3, "cmd/dev3", QoS::AtLeastOnce);
+    let old = n.h[2].connect("dev2", Protocol::V311, false);
+    n.settle();
+    assert_eq!(n.rows(0, 1), 1);
+
+    let now = n.h[0].now;
+    assert!(!n.h[0].e.kick("dev5", true, now));
+    assert!(!n.h[0].e.kick("dev3", true, now));
+    assert!(!n.h[0].e.kick("dev2", true, now));
+    n.settle();
+    let got = n.h[1].recv();
+    assert!(
+        matches!(&got[&v5][..], [Packet::Disconnect(d)] if d.reason_code == 0x98),
+        "{got:?}"
+    );
+    assert!(n.h[1].closed.contains(&v5) && n.h[1].closed.contains(&v3));
+    // The session went too: its route row, and a reconnect finds none.
+    assert_eq!(n.rows(0, 1), 0);
+    let (_, acks) = n.h[1].connect_with(super::tests::connect("dev3", Protocol::V311, false));
+    assert!(
+        matches!(&acks[0], Packet::ConnAck(a) if !a.session_present),
+        "{acks:?}"
+    );
+    // Node 2 was not told (protocol 2): its client stays, and its link took no harm.
+    assert!(!n.h[2].closed.contains(&old));
+    n.h[2].recv();
+    assert!(!n.h[2].closed.contains(&old));
+    // Held here: true, and the client ends here too.
+    let now = n.h[2].now;
+    assert!(n.h[2].e.kick("dev2", false, now));
+    n.h[2].recv();
+    assert!(n.h[2].closed.contains(&old));
+}

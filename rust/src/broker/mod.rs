@@ -18,6 +18,7 @@ mod durable;
 #[cfg(test)]
 mod durable_tests;
 mod intercept;
+mod kick;
 mod limits;
 mod router;
 mod state;

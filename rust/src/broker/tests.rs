@@ -16,7 +16,7 @@ pub(super) struct Harness {
     pub(super) now: u64,
     protocols: HashMap<ConnId, Protocol>,
     pub(super) rx: HashMap<ConnId, BytesMut>,
-    closed: Vec<ConnId>,
+    pub(super) closed: Vec<ConnId>,
 }
 
 impl Harness {

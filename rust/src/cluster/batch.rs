@@ -47,6 +47,7 @@ const ITEM_ROUTE_REMOVE: u8 = 3;
 const ITEM_RESYNC: u8 = 4;
 const ITEM_MESSAGE: u8 = 5;
 const ITEM_RETAINED_SENT: u8 = 6;
+const ITEM_KICK: u8 = 7;
 
 const MSG_RETAIN: u8 = 0b100;
 const MSG_NOT_PLAIN: u8 = 0b1000;
@@ -111,6 +112,11 @@ pub enum Item<'a> {
     Message(WireMessage<'a>),
     /// The sender's whole retained set was sent before this item (since its link came up).
     RetainedSent,
+    /// An administrator kicked this client id: its connection and session end on every node
+    /// (protocol 3 on; never sent to a peer that speaks 2).
+    Kick {
+        client_id: &'a str,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -179,6 +185,11 @@ impl ItemWriter {
 
     pub fn retained_sent(&mut self) {
         self.w.u8(ITEM_RETAINED_SENT);
+        self.count += 1;
+    }
+
+    pub fn kick(&mut self, client_id: &str) {
+        self.w.u8(ITEM_KICK).bytes(client_id.as_bytes());
         self.count += 1;
     }
 
@@ -327,6 +338,14 @@ fn utf8(b: &[u8]) -> Result<&str, BatchError> {
     std::str::from_utf8(b).map_err(|_| BatchError("route filter is not UTF-8".into()))
 }
 
+/// A client id as MQTT allows it: UTF-8 of at most 65535 bytes.
+fn client_id(b: &[u8]) -> Result<&str, BatchError> {
+    if b.len() > usize::from(u16::MAX) {
+        return Err(BatchError("client id longer than 65535 bytes".into()));
+    }
+    std::str::from_utf8(b).map_err(|_| BatchError("client id is not UTF-8".into()))
+}
+
 fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
     Ok(match r.u8()? {
         ITEM_ROUTE_SNAPSHOT => {
@@ -348,6 +367,9 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
         },
         ITEM_RESYNC => Item::Resync,
         ITEM_RETAINED_SENT => Item::RetainedSent,
+        ITEM_KICK => Item::Kick {
+            client_id: client_id(r.bytes()?)?,
+        },
         ITEM_MESSAGE => {
             let flags = r.u8()?;
             let stamped = flags & MSG_STAMPED != 0;
@@ -433,6 +455,7 @@ mod tests {
         encode_message(&message(b"t/1", b"hello"), &mut m);
         w.raw_item(&m);
         w.retained_sent();
+        w.kick("dev-1");
         let header = Header {
             epoch: 1,
             seq: 2,
@@ -460,6 +483,7 @@ mod tests {
                 Item::Resync,
                 Item::Message(message(b"t/1", b"hello")),
                 Item::RetainedSent,
+                Item::Kick { client_id: "dev-1" },
             ]
         );
         assert!(w.is_empty());

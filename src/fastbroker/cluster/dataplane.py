@@ -46,7 +46,10 @@ class DataPlane:
         return peer
 
     def link_up(self, node_id: str) -> None:
-        self.engine.cluster_link(self.peer(node_id), True)
+        peer = self.peer(node_id)
+        link = self.transport.data_links.get(node_id)
+        self.engine.cluster_set_protocol(peer, link.version if link and link.version else 2)
+        self.engine.cluster_link(peer, True)
         self.server.schedule_flush()
 
     def link_down(self, node_id: str) -> None:
