@@ -511,6 +511,13 @@ def test_a_client_kicked_through_one_node_loses_its_connection_and_session_on_an
     c3 = Client(endpoint(n2), client_id=v3, version=4, clean=False)
     c3.connect()
     c3.subscribe(f"{v3}/cmd", qos=1)
+
+    def sessions_of(node_id: str) -> int:
+        members = n1.request("GET", "/cluster/status")["members"]
+        return next(m["sessions"] or 0 for m in members if m["node_id"] == node_id)
+
+    # Every node's sessions, as its pings report them.
+    wait_for(lambda: sessions_of("n2") >= 1 and sessions_of("n3") >= 1, 5, "sessions", n1)
     # The CLI, through n1's admin endpoint (n1 holds neither).
     kicked = subprocess.run(
         [sys.executable, "-m", "fastbroker", "clients", "kick", v5, "--admin", n1.admin],

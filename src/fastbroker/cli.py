@@ -228,9 +228,9 @@ def status(admin: str, as_json: bool, partitions: bool) -> None:
         f"asked node {data['node_id']}: {raft.get('role')}, term {raft.get('term')}, "
         f"leader {data.get('leader') or 'unknown'}{pending}"
     )
-    rows = [("NODE", "ADDRESS", "STATE", "ROLE", "CLIENTS", "PRIMARY", "FOLLOWER")]
+    rows = [("NODE", "ADDRESS", "STATE", "ROLE", "CLIENTS", "SESSIONS", "PRIMARY", "FOLLOWER")]
     for m in data["members"]:
-        clients = m.get("clients")
+        clients, sessions = m.get("clients"), m.get("sessions")
         rows.append(
             (
                 m["node_id"],
@@ -238,6 +238,7 @@ def status(admin: str, as_json: bool, partitions: bool) -> None:
                 m["state"],
                 "leader" if m["leader"] else "follower",
                 "?" if clients is None else str(clients),
+                "?" if sessions is None else str(sessions),
                 str(len(m["primary"])),
                 str(len(m["follower"])),
             )

@@ -144,11 +144,13 @@ class PeerView:
         "last_seen",
         "leader",
         "member_ids",
+        "sessions",
     )
 
     def __init__(self) -> None:
         self.last_seen = 0
         self.clients: int | None = None
+        self.sessions: int | None = None
         self.address: str | None = None
         self.cluster_id: str | None = None
         self.config_index = 0
@@ -221,8 +223,8 @@ class ClusterNode:
         # Peers ping every heartbeat: a link silent this long is half-open (peer gone).
         self.transport.idle_timeout_s = settings.failure_timeout_ms / 1000
         self.dataplane: DataPlane | None = None
-        # (count, when) of the last count of connected clients.
-        self.clients_counted = (0, -1_000_000)
+        # (clients connected, sessions held, when) at the last count.
+        self.clients_counted = (0, 0, -1_000_000)
         if engine is not None and server is not None:
             self.dataplane = DataPlane(engine, server, self.transport)
             self.transport.on_data_up = self.dataplane.link_up
@@ -700,6 +702,7 @@ class ClusterNode:
             "leader_address": latest.address_of(leader) if latest is not None and leader else None,
             "address": self.advertise,
             "clients": self.clients(),
+            "sessions": self.sessions(),
         }
         for peer in self.transport.connected():
             self.transport.send(peer, PING, ping)
@@ -719,6 +722,8 @@ class ClusterNode:
         view.leader = leader if isinstance(leader, str) else None
         clients = ping.get("clients")
         view.clients = clients if type(clients) is int else None
+        sessions = ping.get("sessions")
+        view.sessions = sessions if type(sessions) is int else None
         members = ping.get("members")
         view.member_ids = (
             tuple(m for m in members if isinstance(m, str)) if isinstance(members, list) else ()
@@ -762,13 +767,24 @@ class ClusterNode:
     def clients(self) -> int | None:
         """MQTT clients connected to this node (None without the data plane), counted at most
         once a second: the count walks every session, and pings go out every heartbeat."""
+        return self.count_clients()[0]
+
+    def sessions(self) -> int | None:
+        """Sessions this node holds, connected or not (None without the data plane)."""
+        return self.count_clients()[1]
+
+    def count_clients(self) -> tuple[int | None, int | None]:
         if self.dataplane is None:
-            return None
+            return None, None
         now = monotonic_ms()
-        if now - self.clients_counted[1] >= 1000:
-            count = int(self.dataplane.engine.stats()["clients_connected"])
-            self.clients_counted = (count, now)
-        return self.clients_counted[0]
+        if now - self.clients_counted[2] >= 1000:
+            stats = self.dataplane.engine.stats()
+            self.clients_counted = (
+                int(stats["clients_connected"]),
+                int(stats["sessions"]),
+                now,
+            )
+        return self.clients_counted[0], self.clients_counted[1]
 
     def retained_pending(self, reachable_only: bool) -> list[str]:
         """Other nodes whose retained set has not arrived since their link came up: members
@@ -822,10 +838,11 @@ class ClusterNode:
                 view = self.peers.get(member)
                 seen: int | None = None
                 clients = view.clients if view is not None else None
+                sessions = view.sessions if view is not None else None
                 if member == self.node_id:
                     state = "self"
                     seen = 0
-                    clients = self.clients()
+                    clients, sessions = self.count_clients()
                 elif member in self.transport.links and view is not None:
                     seen = now - view.last_seen
                     state = "alive" if seen < self.settings.failure_timeout_ms else "suspect"
@@ -840,6 +857,7 @@ class ClusterNode:
                         "last_seen_ms": seen,
                         "leader": member == raft.leader_id,
                         "clients": clients,
+                        "sessions": sessions,
                         "primary": self.map.primaries_of(member),
                         "follower": self.map.followers_of(member),
                     }
