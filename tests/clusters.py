@@ -134,10 +134,16 @@ class Cluster:
     """Nodes n1, n2, ... on 127.X.0.1, 127.X.0.2, ..."""
 
     def __init__(
-        self, tmp_path: Path, settings: dict[str, Any] | None = None, netns: Any = None
+        self,
+        tmp_path: Path,
+        settings: dict[str, Any] | None = None,
+        netns: Any = None,
+        sys_interval: float = 0,
     ) -> None:
         self.tmp_path = tmp_path
         self.netns = netns
+        # [sys] interval of every node (0: no $SYS messages).
+        self.sys_interval = sys_interval
         self.settings = {**FAST, **(settings or {})}
         self.subnet = run_subnet()
         self.nodes: dict[str, Node] = {}
@@ -169,7 +175,7 @@ class Cluster:
             "[log]",
             'level = "info"',
             "[sys]",
-            "interval = 0",
+            f"interval = {_toml_value(self.sys_interval)}",
             "[admin]",
             "enabled = true",
             f"host = {_toml_value(node.ip)}",

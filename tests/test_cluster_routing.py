@@ -543,6 +543,38 @@ def test_a_client_kicked_through_one_node_loses_its_connection_and_session_on_an
     assert "error" in n1.request("POST", "/clients/kick", {"client": v3})
 
 
+def test_sys_topics_show_clients_per_node_and_the_traffic_of_each_link(tmp_path):
+    """$SYS stays on its node (never forwarded): a client sees its node's own figures, and
+    under $SYS/broker/cluster/ every member's clients and this node's links."""
+    with Cluster(tmp_path, sys_interval=0.5) as cluster:
+        n1, n2 = start_cluster(cluster, 2)
+        watcher = Client(endpoint(n2), client_id=unique("sys"), version=5)
+        watcher.connect()
+        watcher.subscribe("$SYS/#", qos=0)
+        others = [Client(endpoint(n1), client_id=unique("sysc"), version=5) for _ in range(2)]
+        for c in others:
+            c.connect()
+        seen: dict[str, bytes] = {}
+
+        def got(topic: str, payload: bytes | None = None) -> bool:
+            for m in watcher.drain(0.1):
+                seen[m.topic] = m.payload
+            return topic in seen and (payload is None or seen[topic] == payload)
+
+        members = "$SYS/broker/cluster/members"
+        wait_for(lambda: got(f"{members}/n1/clients/connected", b"2"), 10, "n1's clients", n2)
+        wait_for(lambda: got(f"{members}/n2/clients/connected", b"1"), 10, "n2's clients", n2)
+        link = "$SYS/broker/cluster/links/n1"
+        wait_for(lambda: got(f"{link}/queue/bytes"), 10, "n2's link to n1", n2)
+        assert seen["$SYS/broker/cluster/node"] == b"n2"
+        assert seen[f"{link}/up"] == b"1"
+        assert int(seen[f"{link}/frames/sent"]) > 0 and int(seen[f"{link}/bytes/received"]) > 0
+        # This node's own count, not n1's.
+        assert got("$SYS/broker/clients/connected", b"1")
+        for c in [*others, watcher]:
+            c.disconnect()
+
+
 def test_concurrent_retained_writes_on_different_nodes_end_in_one_value(nodes):
     n1, n2, n3 = nodes
     root = unique("race")

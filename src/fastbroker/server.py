@@ -261,7 +261,9 @@ async def run_server(
     server.start_ticking()
     if store.fsync == "interval":
         server.start_syncing(store.fsync_interval_ms / 1000)
-    sys_topics = SysTopicPublisher(engine, server, loop, config.sys.interval, __version__)
+    sys_topics = SysTopicPublisher(
+        engine, server, loop, config.sys.interval, __version__, cluster=cluster
+    )
     sys_topics.start()
     heap_trimmer = HeapTrimmer(loop)
     heap_trimmer.start()

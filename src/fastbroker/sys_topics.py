@@ -1,35 +1,81 @@
-"""$SYS topics: broker statistics published as retained messages every [sys] interval seconds."""
+"""$SYS topics: broker statistics published as retained messages every [sys] interval seconds.
+
+Names as Mosquitto uses them, so existing dashboards work. They are this node's own: the data
+plane never forwards a $SYS message, so a client sees the node it is connected to. A cluster
+node adds `$SYS/broker/cluster/...`: its node id, the clients connected to every member (as
+their pings report them) and the traffic of each of its inter-node links.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Protocol
 
 from fastbroker._connection import Server, monotonic_ms
 
-VERSION_TOPIC = "$SYS/broker/version"
-UPTIME_TOPIC = "$SYS/broker/uptime"
-# Engine.stats() key -> topic (names as mosquitto uses them, so existing dashboards work).
+PREFIX = "$SYS/broker"
+VERSION_TOPIC = f"{PREFIX}/version"
+UPTIME_TOPIC = f"{PREFIX}/uptime"
+# Engine.stats() key -> topic below the prefix.
 STAT_TOPICS = {
-    "clients_connected": "$SYS/broker/clients/connected",
-    "messages_received": "$SYS/broker/messages/received",
-    "messages_sent": "$SYS/broker/messages/sent",
-    "bytes_received": "$SYS/broker/bytes/received",
-    "bytes_sent": "$SYS/broker/bytes/sent",
-    "subscriptions": "$SYS/broker/subscriptions/count",
-    "retained": "$SYS/broker/retained messages/count",
+    "clients_connected": "clients/connected",
+    "messages_received": "messages/received",
+    "messages_sent": "messages/sent",
+    "bytes_received": "bytes/received",
+    "bytes_sent": "bytes/sent",
+    "subscriptions": "subscriptions/count",
+    "retained": "retained messages/count",
+}
+# Per inter-node link (the engine's cluster_stats): counters, and the bytes queued for the
+# peer (sent and not yet acknowledged, or waiting) as its queue depth.
+LINK_TOPICS = {
+    "frames_out": "frames/sent",
+    "frames_in": "frames/received",
+    "messages_out": "messages/sent",
+    "messages_in": "messages/received",
+    "bytes_out": "bytes/sent",
+    "bytes_in": "bytes/received",
+    "unacked_bytes": "queue/bytes",
 }
 
 
-def sys_messages(stats: dict[str, int], uptime_s: int, version: str) -> dict[str, bytes]:
-    """Topic -> payload of every $SYS message for the given engine stats."""
+def sys_messages(
+    stats: dict[str, int],
+    uptime_s: int,
+    version: str,
+    cluster: ClusterView | None = None,
+) -> dict[str, bytes]:
+    """Topic -> payload of every $SYS message for the given engine stats and, for a cluster
+    node, what `cluster` reports."""
     messages = {
         VERSION_TOPIC: f"fastbroker version {version}".encode(),
         UPTIME_TOPIC: f"{uptime_s} seconds".encode(),
     }
     for key, topic in STAT_TOPICS.items():
-        messages[topic] = str(stats[key]).encode()
+        messages[f"{PREFIX}/{topic}"] = str(stats[key]).encode()
+    if cluster is None:
+        return messages
+    base = f"{PREFIX}/cluster"
+    messages[f"{base}/node"] = cluster.node_id.encode()
+    for member, clients in cluster.member_clients().items():
+        if clients is not None:
+            messages[f"{base}/members/{member}/clients/connected"] = str(clients).encode()
+    for peer, entry in cluster.link_stats().items():
+        link = f"{base}/links/{peer}"
+        messages[f"{link}/up"] = b"1" if entry.get("up") else b"0"
+        for key, topic in LINK_TOPICS.items():
+            messages[f"{link}/{topic}"] = str(entry.get(key, 0)).encode()
     return messages
+
+
+class ClusterView(Protocol):
+    """What $SYS needs of a cluster node (fastbroker.cluster.node.ClusterNode)."""
+
+    node_id: str
+
+    def member_clients(self) -> dict[str, int | None]: ...
+
+    def link_stats(self) -> dict[str, dict[str, Any]]: ...
 
 
 class SysTopicPublisher:
@@ -42,12 +88,14 @@ class SysTopicPublisher:
         loop: asyncio.AbstractEventLoop,
         interval: float,
         version: str,
+        cluster: ClusterView | None = None,
     ) -> None:
         self.engine = engine
         self.server = server
         self.loop = loop
         self.interval = interval
         self.version = version
+        self.cluster = cluster
         self.started_ms = monotonic_ms()
         self.published: dict[str, bytes] = {}
         self.timer: asyncio.TimerHandle | None = None
@@ -66,7 +114,7 @@ class SysTopicPublisher:
         self.timer = self.loop.call_later(self.interval, self.publish)
         now_ms = monotonic_ms()
         uptime_s = (now_ms - self.started_ms) // 1000
-        messages = sys_messages(self.engine.stats(), uptime_s, self.version)
+        messages = sys_messages(self.engine.stats(), uptime_s, self.version, self.cluster)
         for topic, payload in messages.items():
             # Retained, so unchanged values need no republishing.
             if self.published.get(topic) != payload:

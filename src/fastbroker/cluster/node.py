@@ -773,6 +773,22 @@ class ClusterNode:
         """Sessions this node holds, connected or not (None without the data plane)."""
         return self.count_clients()[1]
 
+    def member_clients(self) -> dict[str, int | None]:
+        """Clients connected to each member of the map: ours counted, the others' from their
+        last ping (None: not heard from)."""
+        counts: dict[str, int | None] = {}
+        for member in self.map.members:
+            if member == self.node_id:
+                counts[member] = self.clients()
+            else:
+                view = self.peers.get(member)
+                counts[member] = view.clients if view is not None else None
+        return counts
+
+    def link_stats(self) -> dict[str, dict[str, Any]]:
+        """The data plane's counters of each peer link, by node id."""
+        return self.dataplane.stats() if self.dataplane is not None else {}
+
     def count_clients(self) -> tuple[int | None, int | None]:
         if self.dataplane is None:
             return None, None
