@@ -177,6 +177,8 @@ class Engine:
         """This node leaves the cluster: its route rows are withdrawn from every peer."""
     def cluster_set_writable(self, peer: int, writable: bool) -> None:
         """The link's write buffer went over (False) or back under (True) its high mark."""
+    def claim_stats(self) -> dict[str, int]:
+        """Claims of client ids between nodes: made, timed_out, sessions_in, sessions_out."""
     def cluster_set_protocol(self, peer: int, version: int) -> None:
         """The inter-node protocol version agreed on the peer's link (2 until told)."""
     def kick(self, client_id: str, cluster: bool, now_ms: int) -> bool:

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from types import SimpleNamespace
 from typing import Any
@@ -573,6 +574,84 @@ def test_sys_topics_show_clients_per_node_and_the_traffic_of_each_link(tmp_path)
         assert got("$SYS/broker/clients/connected", b"1")
         for c in [*others, watcher]:
             c.disconnect()
+
+
+def test_a_persistent_session_follows_its_client_from_node_to_node(nodes):
+    """The client reconnects to another node each time: session present, no subscribe
+    again, what was queued for it (QoS 1 and 2) in order; a connection still open on the
+    old node is taken over with 0x8E."""
+    n1, n2, n3 = nodes
+    cid, topic = unique("roam"), unique("roam/cmd")
+    expiry = {"SessionExpiryInterval": 300}
+    publisher = Client(endpoint(n3), client_id=unique("rpub"), version=5)
+    publisher.connect()
+    sub = Client(endpoint(n1), client_id=cid, version=5, clean=False, props=expiry)
+    sub.connect()
+    sub.subscribe(topic, qos=2)
+    wait_rows(n3, "n1", 1)
+    sent: list[bytes] = []
+    for hop, node in enumerate((n2, n3, n1, n2)):
+        sub.disconnect()
+        for i in range(20):
+            payload = f"{hop}-{i}".encode()
+            publisher.publish(topic, payload, qos=1 + i % 2)
+            sent.append(payload)
+        sub = Client(endpoint(node), client_id=cid, version=5, clean=False, props=expiry)
+        assert sub.connect().session_present
+        got = [m.payload for m in sub.expect(20, 10.0)]
+        # In order per QoS (paho hands a QoS 2 message over at PUBREL, after the QoS 1
+        # ones that came with it).
+        for qos in (1, 2):
+            mine = [p for p in sent[-20:] if int(p.split(b"-")[1]) % 2 == qos - 1]
+            assert [p for p in got if p in mine] == mine, (hop, qos, got)
+        assert sorted(got) == sorted(sent[-20:])
+    # n2 received the session twice (from n1, then from n3), as its metrics say.
+    with urllib.request.urlopen(f"http://{n2.admin}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    received = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("fastbroker_cluster_sessions_received_total")
+    ]
+    assert received and received[0] >= 2, received
+    # Still connected on n2: a connect on n3 takes it over.
+    taker = Client(endpoint(n3), client_id=cid, version=5, clean=False, props=expiry)
+    assert taker.connect().session_present
+    wait_for(lambda: sub.disconnect_rc is not None, 5, "the old connection closed", n2)
+    assert sub.disconnect_rc == 0x8E
+    publisher.publish(topic, b"last", qos=1)
+    assert [m.payload for m in taker.expect(1, 5.0)] == [b"last"]
+    taker.disconnect()
+    publisher.disconnect()
+
+
+def test_racing_connects_with_one_client_id_on_three_nodes_leave_one(nodes):
+    cid = unique("race")
+    clients = [
+        Client(
+            endpoint(nodes[i % 3]),
+            client_id=cid,
+            version=5,
+            clean=False,
+            props={"SessionExpiryInterval": 60},
+        )
+        for i in range(12)
+    ]
+    threads = [threading.Thread(target=c.connect, kwargs={"expect_rc": None}) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+
+    def survivors() -> list[Client]:
+        return [c for c in clients if c.connack is not None and c.disconnect_rc is None]
+
+    wait_for(lambda: len(survivors()) <= 1, 10, "one survivor", *nodes)
+    time.sleep(1.0)
+    alive = survivors()
+    assert len(alive) == 1, [(c.connack, c.disconnect_rc) for c in clients]
+    for c in clients:
+        c.disconnect()
 
 
 def test_concurrent_retained_writes_on_different_nodes_end_in_one_value(nodes):

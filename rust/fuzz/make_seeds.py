@@ -307,7 +307,8 @@ def _message(
 
 def cluster_batch_seeds() -> dict[str, bytes]:
     """Route rows (snapshot, add, remove, resync), messages of every QoS, retained (stamped),
-    with expiry and properties, a retained set, and an acknowledgement-only batch."""
+    with expiry and properties, a retained set, an acknowledgement-only batch, and the items
+    of sessions across nodes (kick, claim, claim answer)."""
     snapshot = b"\x01" + (1).to_bytes(8, "little") + (2).to_bytes(4, "little")
     snapshot += _field(b"a/+/c") + _field(b"#")
     add = b"\x02" + (2).to_bytes(8, "little") + _field(b"x/y")
@@ -329,6 +330,21 @@ def cluster_batch_seeds() -> dict[str, bytes]:
             [_message(b"r/1", b"kept", 0b1100), _message(b"r/2", b"", 0b1100), b"\x06"]
         ),
         "ack_only": _batch([], seq=0, ack=3),
+        # Sessions across nodes: a kick, a claim of the local subscriber's id, and an
+        # answer handing a session over (one record, as the store seals it: not a valid
+        # envelope here, which the restore path must refuse without harm).
+        "sessions": _batch(
+            [
+                b"\x07" + _field(b"sub"),
+                b"\x08" + _field(b"sub") + (9).to_bytes(8, "little") * 2 + b"\x00",
+                b"\x09"
+                + _field(b"dev")
+                + (9).to_bytes(8, "little") * 2
+                + (1).to_bytes(4, "little")
+                + _field(b"s\x00\x03dev")
+                + _field(b"sealed?"),
+            ]
+        ),
     }
 
 

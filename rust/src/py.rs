@@ -424,6 +424,17 @@ impl PyEngine {
         Ok(list)
     }
 
+    /// Claims of client ids between nodes (broker::cluster_sessions).
+    fn claim_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.claim_stats();
+        let d = PyDict::new(py);
+        d.set_item("made", s.made)?;
+        d.set_item("timed_out", s.timed_out)?;
+        d.set_item("sessions_in", s.sessions_in)?;
+        d.set_item("sessions_out", s.sessions_out)?;
+        Ok(d)
+    }
+
     fn cluster_local_rows(&self) -> usize {
         self.inner.cluster_local_rows()
     }

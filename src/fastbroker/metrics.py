@@ -385,6 +385,27 @@ class BrokerCollector:
             "Route rows this node announces (distinct filters of its sessions)",
             dataplane.engine.cluster_local_rows(),
         )
+        claims = dataplane.engine.claim_stats()
+        yield counter(
+            "cluster_session_claims",
+            "CONNECTs that claimed their client id from the other nodes",
+            claims["made"],
+        )
+        yield counter(
+            "cluster_claims_timed_out",
+            "Claims that went on without every answer (a peer up but silent)",
+            claims["timed_out"],
+        )
+        yield counter(
+            "cluster_sessions_received",
+            "Sessions handed over to this node by another (their client reconnected here)",
+            claims["sessions_in"],
+        )
+        yield counter(
+            "cluster_sessions_handed_over",
+            "Sessions this node handed over to another node",
+            claims["sessions_out"],
+        )
 
 
 class BrokerMetrics:

@@ -400,6 +400,49 @@ impl Cluster {
         }
     }
 
+    /// Peers a claim of a client id goes to: those reachable that speak protocol 3.
+    pub(super) fn claim_peers(&self) -> Vec<PeerId> {
+        if self.epoch == 0 {
+            return Vec::new();
+        }
+        self.peers
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.as_ref().is_some_and(|p| p.up && p.protocol >= 3))
+            .map(|(i, _)| i as PeerId)
+            .collect()
+    }
+
+    pub(super) fn queue_claim(&mut self, id: PeerId, client_id: &str, stamp: Stamp, discard: bool) {
+        if let Some(peer) = self.peer_mut(id) {
+            peer.items.claim(client_id, stamp, discard);
+            peer.reliable = true;
+            self.has_output = true;
+        }
+    }
+
+    pub(super) fn queue_claim_answer(
+        &mut self,
+        id: PeerId,
+        client_id: &str,
+        stamp: Stamp,
+        records: &[(Vec<u8>, Vec<u8>)],
+    ) {
+        if let Some(peer) = self.peer_mut(id) {
+            peer.items.claim_answer(client_id, stamp, records);
+            peer.reliable = true;
+            self.has_output = true;
+        }
+    }
+
+    /// Closes peer `id`'s batch now (what was queued so far is kept or sent as one).
+    pub(super) fn seal_for(&mut self, id: PeerId) {
+        let epoch = self.epoch;
+        if let Some(peer) = self.peer_mut(id) {
+            peer.seal(epoch);
+        }
+    }
+
     /// Encoded items for peer `id`'s next batches (closed every `SEAL_ABOVE`), reliable;
     /// then `RetainedSent` if `retained_set`.
     pub(super) fn queue_items(&mut self, id: PeerId, items: &[Vec<u8>], retained_set: bool) {
@@ -705,6 +748,8 @@ impl Engine {
             // A down peer never stalls publishers: its messages wait in the queue for it.
             self.release_acks();
             self.release_link_waiters();
+            // Nor a connect claiming a client id.
+            self.claims_peer_down(id, now);
         }
     }
 
@@ -769,7 +814,7 @@ impl Engine {
 
     /// Keeps peer `id`'s reliable batches in the store (its link is down): they survive a
     /// restart of this node, and are sent when the link is back.
-    fn store_outgoing(&mut self, id: PeerId) {
+    pub(super) fn store_outgoing(&mut self, id: PeerId) {
         if !self.cfg.durable {
             return;
         }
@@ -989,7 +1034,26 @@ impl Engine {
                     }
                     messages.push(message_from_wire(m, now)?);
                 }
-                Item::Resync | Item::RetainedSent | Item::Kick { .. } => {}
+                Item::ClaimAnswer {
+                    client_id, records, ..
+                } => {
+                    // Only records of the client claimed: a peer cannot slip in others.
+                    for (key, _) in records {
+                        let owner = match records::parse_key(key) {
+                            Some(
+                                records::Key::Session(owner)
+                                | records::Key::Message(owner, _)
+                                | records::Key::Flight(owner, _)
+                                | records::Key::Inbound(owner, _),
+                            ) => Some(owner),
+                            _ => None,
+                        };
+                        if owner.as_deref() != Some(*client_id) {
+                            return Err(format!("claim answer for {client_id:?} with another key"));
+                        }
+                    }
+                }
+                Item::Resync | Item::RetainedSent | Item::Kick { .. } | Item::Claim { .. } => {}
             }
         }
         let h = batch.header;
@@ -1079,6 +1143,16 @@ impl Engine {
                 Item::Kick { client_id } => {
                     self.kick_local(client_id, now);
                 }
+                Item::Claim {
+                    client_id,
+                    stamp,
+                    discard,
+                } => self.claim_received(id, client_id, stamp, discard, now),
+                Item::ClaimAnswer {
+                    client_id,
+                    stamp,
+                    records,
+                } => self.claim_answered(id, client_id, stamp, &records, now),
                 Item::Message(m) => {
                     let msg = messages.next().expect("one per message item");
                     let scope = Scope::Forwarded {

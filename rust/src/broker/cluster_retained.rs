@@ -46,8 +46,13 @@ pub(super) struct RetainedStamps {
 }
 
 impl RetainedStamps {
+    /// A stamp from a peer: later stamps of this node are above it.
+    pub(super) fn observe(&mut self, stamp: Stamp) {
+        self.clock = self.clock.max(stamp.clock);
+    }
+
     /// A new stamp above every stamp seen.
-    fn next(&mut self, wall: u64) -> Stamp {
+    pub(super) fn next(&mut self, wall: u64) -> Stamp {
         self.clock = (self.clock + 1).max(wall << 16);
         Stamp {
             clock: self.clock,

@@ -834,15 +834,15 @@ fn a_shared_subscription_gets_each_message_once_cluster_wide() {
 #[test]
 fn a_kick_on_one_node_ends_the_client_on_every_node_that_speaks_protocol_3() {
     let mut n = Nodes::new(3);
-    // Nodes 0 and 1 speak protocol 3 to each other; node 2's link to node 0 speaks 2.
-    let (p01, p10) = (n.peer[0][1], n.peer[1][0]);
-    n.h[0].e.cluster_set_protocol(p01, 3);
-    n.h[1].e.cluster_set_protocol(p10, 3);
     let v5 = n.h[1].connect("dev5", Protocol::V5, true);
     let v3 = n.h[1].connect("dev3", Protocol::V311, false);
     n.h[1].subscribe(v3, "cmd/dev3", QoS::AtLeastOnce);
     let old = n.h[2].connect("dev2", Protocol::V311, false);
     n.settle();
+    // Nodes 0 and 1 speak protocol 3 to each other; node 2's link to node 0 speaks 2.
+    let (p01, p10) = (n.peer[0][1], n.peer[1][0]);
+    n.h[0].e.cluster_set_protocol(p01, 3);
+    n.h[1].e.cluster_set_protocol(p10, 3);
     assert_eq!(n.rows(0, 1), 1);
 
     let now = n.h[0].now;
@@ -858,7 +858,9 @@ fn a_kick_on_one_node_ends_the_client_on_every_node_that_speaks_protocol_3() {
     assert!(n.h[1].closed.contains(&v5) && n.h[1].closed.contains(&v3));
     // The session went too: its route row, and a reconnect finds none.
     assert_eq!(n.rows(0, 1), 0);
-    let (_, acks) = n.h[1].connect_with(super::tests::connect("dev3", Protocol::V311, false));
+    let again = n.h[1].open_connect(super::tests::connect("dev3", Protocol::V311, false));
+    n.settle();
+    let acks = n.h[1].recv_one(again);
     assert!(
         matches!(&acks[0], Packet::ConnAck(a) if !a.session_present),
         "{acks:?}"
@@ -872,4 +874,176 @@ fn a_kick_on_one_node_ends_the_client_on_every_node_that_speaks_protocol_3() {
     assert!(n.h[2].e.kick("dev2", false, now));
     n.h[2].recv();
     assert!(n.h[2].closed.contains(&old));
+}
+
+// ---- sessions that follow their client (broker::cluster_sessions) ----
+
+/// Every link speaks protocol 3: CONNECTs claim their client id from the other nodes.
+fn protocol3(n: &mut Nodes) {
+    for i in 0..n.h.len() {
+        for j in 0..n.h.len() {
+            if i != j {
+                let p = n.peer[i][j];
+                n.h[i].e.cluster_set_protocol(p, 3);
+            }
+        }
+    }
+}
+
+fn persistent_v5(client_id: &str) -> crate::codec::Connect {
+    let mut c = super::tests::connect(client_id, Protocol::V5, false);
+    c.properties.session_expiry_interval = Some(300);
+    c
+}
+
+fn connack(packets: &[Packet]) -> &crate::codec::ConnAck {
+    match packets.first() {
+        Some(Packet::ConnAck(a)) => a,
+        other => panic!("expected CONNACK, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_persistent_session_follows_its_client_to_another_node() {
+    let mut n = Nodes::new(3);
+    let dev = n.h[0].connect("dev", Protocol::V311, false);
+    n.h[0].subscribe(dev, "cmd/dev", QoS::AtLeastOnce);
+    let publisher = n.h[2].connect("pub", Protocol::V5, true);
+    n.settle();
+    // The device drops off; three commands queue for it on node 0.
+    let now = n.h[0].now;
+    n.h[0].e.closed(dev, now);
+    for m in ["m1", "m2", "m3"] {
+        n.h[2].publish(publisher, "cmd/dev", m, QoS::AtLeastOnce, false);
+    }
+    n.settle();
+    assert_eq!(n.rows(2, 0), 1);
+    protocol3(&mut n);
+
+    // It comes back on node 1: the CONNACK waits for the claim, then says session present
+    // and the queued commands follow, in order.
+    let back = n.h[1].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    assert!(n.h[1].recv_one(back).is_empty());
+    n.settle();
+    let got = n.h[1].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), ["m1", "m2", "m3"]);
+    // The session left node 0, route row included; the next command goes to node 1.
+    assert_eq!(n.h[0].e.session_count(), 0);
+    assert_eq!(n.rows(2, 0), 0);
+    assert_eq!(n.rows(2, 1), 1);
+    n.h[2].publish(publisher, "cmd/dev", "m4", QoS::AtLeastOnce, false);
+    n.settle();
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["m4"]);
+    assert_eq!(n.h[1].e.claim_stats().sessions_in, 1);
+    assert_eq!(n.h[0].e.claim_stats().sessions_out, 1);
+}
+
+#[test]
+fn a_connection_still_open_on_another_node_is_taken_over_with_0x8e() {
+    let mut n = Nodes::new(2);
+    let old = n.h[0].connect_with(persistent_v5("dev5")).0;
+    n.h[0].subscribe(old, "cmd/dev5", QoS::ExactlyOnce);
+    n.settle();
+    protocol3(&mut n);
+    let new = n.h[1].open_connect(persistent_v5("dev5"));
+    n.settle();
+    let got = n.h[0].recv_one(old);
+    assert!(
+        matches!(&got[..], [Packet::Disconnect(d)] if d.reason_code == 0x8E),
+        "{got:?}"
+    );
+    assert!(n.h[0].closed.contains(&old));
+    let got = n.h[1].recv_one(new);
+    assert!(connack(&got).session_present);
+    assert_eq!(n.h[0].e.session_count(), 0);
+    assert_eq!(n.h[1].e.session_count(), 1);
+}
+
+#[test]
+fn a_clean_start_on_another_node_ends_the_old_session_there() {
+    let mut n = Nodes::new(2);
+    let dev = n.h[0].connect("dev3", Protocol::V311, false);
+    n.h[0].subscribe(dev, "cmd/dev3", QoS::AtLeastOnce);
+    n.settle();
+    let now = n.h[0].now;
+    n.h[0].e.closed(dev, now);
+    protocol3(&mut n);
+    let back = n.h[1].open_connect(super::tests::connect("dev3", Protocol::V311, true));
+    n.settle();
+    assert!(!connack(&n.h[1].recv_one(back)).session_present);
+    assert_eq!(n.h[0].e.session_count(), 0);
+    assert_eq!(n.rows(1, 0), 0);
+}
+
+#[test]
+fn racing_connects_with_one_client_id_leave_one_session() {
+    let mut n = Nodes::new(3);
+    protocol3(&mut n);
+    let conns: Vec<_> = (0..3)
+        .map(|i| n.h[i].open_connect(persistent_v5("dup")))
+        .collect();
+    n.settle();
+    let mut alive = Vec::new();
+    for (i, &c) in conns.iter().enumerate() {
+        let got = n.h[i].recv_one(c);
+        assert_eq!(connack(&got).reason_code, 0, "{got:?}");
+        let taken_over = got
+            .iter()
+            .any(|p| matches!(p, Packet::Disconnect(d) if d.reason_code == 0x8E));
+        if !taken_over && !n.h[i].closed.contains(&c) {
+            alive.push(i);
+        }
+    }
+    assert_eq!(alive.len(), 1, "{alive:?}");
+    let sessions: usize = n.h.iter().map(|h| h.e.session_count()).sum();
+    assert_eq!(sessions, 1);
+    assert_eq!(n.h[alive[0]].e.session_count(), 1);
+}
+
+#[test]
+fn a_claim_does_not_wait_for_a_peer_that_goes_down() {
+    let mut n = Nodes::new(3);
+    protocol3(&mut n);
+    let c = n.h[1].open_connect(persistent_v5("lonely"));
+    n.cut_link(1, 2);
+    n.settle();
+    assert_eq!(connack(&n.h[1].recv_one(c)).reason_code, 0);
+}
+
+#[test]
+fn a_claim_answer_naming_another_client_is_refused() {
+    let mut n = Nodes::new(2);
+    protocol3(&mut n);
+    let c = n.h[1].open_connect(persistent_v5("victim"));
+    let mut w = batch::ItemWriter::default();
+    let rec = (crate::store::records::session_key("other"), b"x".to_vec());
+    w.claim_answer("victim", Stamp { clock: 1, node: 1 }, &[rec]);
+    let frame = w.finish(batch::Header {
+        epoch: 7,
+        seq: 1,
+        ack_epoch: 0,
+        ack_seq: 0,
+    });
+    let p = n.peer[1][0];
+    let now = n.h[1].now;
+    assert!(n.h[1].e.cluster_feed(p, &body_of(&frame), now).is_err());
+    n.settle();
+    assert_eq!(connack(&n.h[1].recv_one(c)).reason_code, 0);
+    assert_eq!(n.h[1].e.session_count(), 1);
+}
+
+#[test]
+fn a_claim_goes_on_after_its_timeout_when_a_peer_stays_silent() {
+    let mut n = Nodes::new(3);
+    protocol3(&mut n);
+    // Node 2 gets nothing and answers nothing, but its link stays up (a stalled node).
+    n.cut.push((1, 2));
+    let c = n.h[1].open_connect(persistent_v5("patient"));
+    n.settle();
+    assert!(n.h[1].recv_one(c).is_empty());
+    let later = n.h[1].now + 3_000;
+    n.h[1].e.tick(later);
+    assert_eq!(connack(&n.h[1].recv_one(c)).reason_code, 0);
+    assert_eq!(n.h[1].e.claim_stats().timed_out, 1);
 }

@@ -206,9 +206,10 @@ impl Engine {
         self.request_auth(id, "connect", password, method, data);
     }
 
-    /// Goes on with a checked (and, if required, authenticated) CONNECT: takeover, session
-    /// start or resume, CONNACK (with the enhanced-authentication result, if any).
-    pub(super) fn accept_connect(
+    /// Goes on with a checked (and, if required, authenticated) CONNECT whose client id no
+    /// other node holds any more (broker::cluster_sessions): takeover, session start or
+    /// resume, CONNACK (with the enhanced-authentication result, if any).
+    pub(super) fn accept_connect_here(
         &mut self,
         id: ConnId,
         pending: PendingConnect,

@@ -153,25 +153,8 @@ impl Engine {
             self.unpersist_session(sid);
             return;
         }
-        let wall_now = self.wall(now);
+        let record = self.session_record(sid, now);
         let session = self.session(sid).expect("durable session exists");
-        let will = session
-            .conn
-            .and_then(|c| self.conn(c))
-            .and_then(|c| c.will.as_deref().cloned());
-        let record = StoredSession {
-            expiry: session.expiry,
-            disconnected_at_wall: session
-                .disconnected_at
-                .filter(|_| session.conn.is_none())
-                .map(|t| wall_now.saturating_sub(now.saturating_sub(t))),
-            subs: session.subs.iter().map(|(f, o)| (f.clone(), *o)).collect(),
-            will,
-            will_at_wall: session
-                .pending_will
-                .as_ref()
-                .map(|(_, at)| wall_now + at.saturating_sub(now)),
-        };
         let key = records::session_key(&session.client_id);
         // First write of a session that already holds messages (it became durable): store
         // them too, with their in-flight state.
@@ -195,6 +178,88 @@ impl Engine {
             }
             self.set_seq(sid, &d);
         }
+    }
+
+    /// The session record of `sid` as the store keeps it.
+    fn session_record(&self, sid: SessionId, now: u64) -> StoredSession {
+        let wall_now = self.wall(now);
+        let session = self.session(sid).expect("caller checked");
+        let will = session
+            .conn
+            .and_then(|c| self.conn(c))
+            .and_then(|c| c.will.as_deref().cloned());
+        StoredSession {
+            expiry: session.expiry,
+            disconnected_at_wall: session
+                .disconnected_at
+                .filter(|_| session.conn.is_none())
+                .map(|t| wall_now.saturating_sub(now.saturating_sub(t))),
+            subs: session.subs.iter().map(|(f, o)| (f.clone(), *o)).collect(),
+            will,
+            will_at_wall: session
+                .pending_will
+                .as_ref()
+                .map(|(_, at)| wall_now + at.saturating_sub(now)),
+        }
+    }
+
+    /// The record of a stored message as the store keeps it.
+    fn message_record(&self, d: &Delivery, now: u64) -> StoredMessage {
+        let wall_now = self.wall(now);
+        let m = &d.msg;
+        StoredMessage {
+            topic: m.topic.clone(),
+            payload: m.payload.clone(),
+            msg_qos: m.qos,
+            qos: d.qos,
+            msg_retain: m.retain,
+            retain: d.retain,
+            props: m.props.clone(),
+            expires_at_wall: m.expires_at.map(|t| wall_now + t.saturating_sub(now)),
+            sub_ids: d.sub_ids.clone(),
+        }
+    }
+
+    /// Every record of session `sid` as the store would hold them (sealed), for another
+    /// node to restore: the session, its QoS 1/2 messages in order (numbered from 1: the
+    /// receiver's keys), their in-flight states, its inbound QoS 2 ids. Made by the same
+    /// functions that write them to the store.
+    pub(super) fn session_records(&self, sid: SessionId, now: u64) -> Vec<(Vec<u8>, Vec<u8>)> {
+        let Some(session) = self.session(sid) else {
+            return Vec::new();
+        };
+        let seal = |key: Vec<u8>, body: &[u8]| {
+            let value = envelope::seal(&key, body, self.cfg.compress_above);
+            (key, value)
+        };
+        let id = &session.client_id;
+        let mut out = vec![seal(
+            records::session_key(id),
+            &self.session_record(sid, now).encode(),
+        )];
+        let mut seq = 0;
+        for f in &session.inflight {
+            seq += 1;
+            out.push(seal(
+                records::message_key(id, seq),
+                &self.message_record(&f.delivery, now).encode(),
+            ));
+            out.push(seal(
+                records::flight_key(id, seq),
+                &records::encode_flight(f.pkid, awaiting_code(f.state)),
+            ));
+        }
+        for d in session.queue.iter().filter(|d| d.qos != QoS::AtMostOnce) {
+            seq += 1;
+            out.push(seal(
+                records::message_key(id, seq),
+                &self.message_record(d, now).encode(),
+            ));
+        }
+        for &pkid in session.inbound_qos2.iter() {
+            out.push(seal(records::inbound_key(id, pkid), &[]));
+        }
+        out
     }
 
     /// Copies a freshly assigned sequence number into the session's own copy of `d`.
@@ -253,7 +318,6 @@ impl Engine {
         if d.qos == QoS::AtMostOnce || d.seq != 0 || !self.is_durable(sid) {
             return;
         }
-        let wall_now = self.wall(now);
         let session = self.session_mut(sid).expect("durable session exists");
         if !session.stored {
             return;
@@ -261,18 +325,7 @@ impl Engine {
         session.next_seq += 1;
         d.seq = session.next_seq;
         let key = records::message_key(&session.client_id, d.seq);
-        let m = &d.msg;
-        let record = StoredMessage {
-            topic: m.topic.clone(),
-            payload: m.payload.clone(),
-            msg_qos: m.qos,
-            qos: d.qos,
-            msg_retain: m.retain,
-            retain: d.retain,
-            props: m.props.clone(),
-            expires_at_wall: m.expires_at.map(|t| wall_now + t.saturating_sub(now)),
-            sub_ids: d.sub_ids.clone(),
-        };
+        let record = self.message_record(d, now);
         self.put(key, &record.encode());
     }
 

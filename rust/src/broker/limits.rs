@@ -74,7 +74,7 @@ impl Engine {
                 // version.
                 ConnState::AwaitConnect => crate::codec::connect_level(&conn.rx),
                 ConnState::AuthContinue => None,
-                ConnState::AwaitAuth => return self.auth_wait(id),
+                ConnState::AwaitAuth | ConnState::AwaitClaim => return self.auth_wait(id),
                 ConnState::Closing => return 0,
             };
             let conn = self.conn_mut(id).expect("checked above");

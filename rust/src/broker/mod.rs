@@ -10,6 +10,7 @@ pub mod acl;
 mod auth;
 mod cluster;
 mod cluster_retained;
+mod cluster_sessions;
 #[cfg(test)]
 mod cluster_tests;
 mod config;
@@ -37,6 +38,7 @@ use bytes::BytesMut;
 pub use acl::Permissions;
 pub use auth::{AccessEvent, AuthRequest};
 pub use cluster::{PeerId, PeerStats};
+pub use cluster_sessions::ClaimStats;
 pub use config::{Config, Value};
 pub use durable::{RestoreSummary, StoreOp};
 pub use intercept::{Intercepted, Verdict};
@@ -127,6 +129,7 @@ pub struct Engine {
     access_events: VecDeque<auth::AccessEvent>,
     intercepted: intercept::InterceptQueue,
     cluster: cluster::Cluster,
+    claims: cluster_sessions::Claims,
 }
 
 impl Engine {
@@ -163,6 +166,7 @@ impl Engine {
             access_events: VecDeque::new(),
             intercepted: intercept::InterceptQueue::default(),
             cluster: cluster::Cluster::default(),
+            claims: cluster_sessions::Claims::default(),
         }
     }
 
@@ -240,6 +244,7 @@ impl Engine {
                 self.access("refused", id, 0, why);
             }
             ConnState::AwaitConnect => {}
+            ConnState::AwaitClaim => self.claim_conn_closed(id),
         }
         self.drop_hold(id);
         let outstanding = self.conn(id).is_some_and(|c| c.auth_outstanding);
@@ -594,17 +599,23 @@ impl Engine {
     /// Removes a session and all its subscriptions; a pending will goes out first.
     fn end_session(&mut self, sid: SessionId, now: u64) {
         self.unpersist_session(sid);
-        let Some(session) = self.sessions.get_mut(sid as usize).and_then(|s| s.take()) else {
+        let Some(session) = self.remove_session(sid) else {
             return;
         };
+        if let Some((will, _)) = session.pending_will {
+            self.publish_will(*will, state::BROKER_ORIGIN, now);
+        }
+    }
+
+    /// Takes session `sid` out of the engine with its subscriptions (not its records).
+    fn remove_session(&mut self, sid: SessionId) -> Option<Session> {
+        let session = self.sessions.get_mut(sid as usize).and_then(|s| s.take())?;
         for filter in session.subs.keys() {
             self.index_unsubscribe(filter, sid);
         }
         self.by_client.remove(&session.client_id);
         self.free_sessions.push(sid);
-        if let Some((will, _)) = session.pending_will {
-            self.publish_will(*will, state::BROKER_ORIGIN, now);
-        }
+        Some(session)
     }
 
     fn handle(&mut self, id: ConnId, packet: Packet, now: u64) {

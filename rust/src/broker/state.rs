@@ -80,6 +80,9 @@ pub enum ConnState {
     AwaitAuth,
     /// The broker sent AUTH 0x18 and waits for the client's AUTH (or DISCONNECT).
     AuthContinue,
+    /// The CONNECT was accepted and waits for the other nodes' answers to its claim of the
+    /// client id (broker::cluster_sessions); input is buffered, not decoded.
+    AwaitClaim,
     Active,
     /// The engine asked the caller to close it; input is ignored.
     Closing,

@@ -34,6 +34,15 @@ impl Harness {
         }
     }
 
+    /// Opens a connection and sends `c`, without waiting for its CONNACK (a cluster node
+    /// answers once its claim of the client id is settled).
+    pub(super) fn open_connect(&mut self, c: Connect) -> ConnId {
+        let id = self.e.open(self.now);
+        self.protocols.insert(id, c.protocol);
+        self.send(id, Packet::Connect(Box::new(c)));
+        id
+    }
+
     /// Declares the protocol of a connection opened without `connect_with`.
     pub(super) fn register(&mut self, id: ConnId, protocol: Protocol) {
         self.protocols.insert(id, protocol);

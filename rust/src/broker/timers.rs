@@ -36,13 +36,17 @@ impl Engine {
 
     pub fn tick(&mut self, now: u64) {
         self.last_now = now;
+        self.claims_tick(now);
         let connect_timeout = self.cfg.connect_timeout_ms;
         let mut to_close: Vec<(ConnId, bool)> = Vec::new();
         for (i, conn) in self.conns.iter().enumerate() {
             let Some(conn) = conn else { continue };
             match conn.state {
                 // Pending authentication counts: until CONNACK, the connect timeout applies.
-                ConnState::AwaitConnect | ConnState::AwaitAuth | ConnState::AuthContinue
+                ConnState::AwaitConnect
+                | ConnState::AwaitAuth
+                | ConnState::AuthContinue
+                | ConnState::AwaitClaim
                     if now.saturating_sub(conn.opened_at) >= connect_timeout =>
                 {
                     to_close.push((i as ConnId, false));

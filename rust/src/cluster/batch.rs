@@ -48,6 +48,10 @@ const ITEM_RESYNC: u8 = 4;
 const ITEM_MESSAGE: u8 = 5;
 const ITEM_RETAINED_SENT: u8 = 6;
 const ITEM_KICK: u8 = 7;
+const ITEM_CLAIM: u8 = 8;
+const ITEM_CLAIM_ANSWER: u8 = 9;
+
+const CLAIM_DISCARD: u8 = 1;
 
 const MSG_RETAIN: u8 = 0b100;
 const MSG_NOT_PLAIN: u8 = 0b1000;
@@ -116,6 +120,22 @@ pub enum Item<'a> {
     /// (protocol 3 on; never sent to a peer that speaks 2).
     Kick {
         client_id: &'a str,
+    },
+    /// The sender has a CONNECT for `client_id`, stamped with its clock: the receiver closes
+    /// its own connection of that client (DISCONNECT 0x8E) and hands the session over in a
+    /// `ClaimAnswer`, or ends it (`discard`: a clean start, or the sender holds one already).
+    /// Racing claims: the highest stamp wins (see broker::cluster_sessions).
+    Claim {
+        client_id: &'a str,
+        stamp: Stamp,
+        discard: bool,
+    },
+    /// The answer to the claim with `stamp`: the session's store records (key, sealed value)
+    /// as the store holds them, or none.
+    ClaimAnswer {
+        client_id: &'a str,
+        stamp: Stamp,
+        records: Vec<(&'a [u8], &'a [u8])>,
     },
 }
 
@@ -190,6 +210,29 @@ impl ItemWriter {
 
     pub fn kick(&mut self, client_id: &str) {
         self.w.u8(ITEM_KICK).bytes(client_id.as_bytes());
+        self.count += 1;
+    }
+
+    pub fn claim(&mut self, client_id: &str, stamp: Stamp, discard: bool) {
+        self.w
+            .u8(ITEM_CLAIM)
+            .bytes(client_id.as_bytes())
+            .u64(stamp.clock)
+            .u64(stamp.node)
+            .u8(if discard { CLAIM_DISCARD } else { 0 });
+        self.count += 1;
+    }
+
+    pub fn claim_answer(&mut self, client_id: &str, stamp: Stamp, records: &[(Vec<u8>, Vec<u8>)]) {
+        self.w
+            .u8(ITEM_CLAIM_ANSWER)
+            .bytes(client_id.as_bytes())
+            .u64(stamp.clock)
+            .u64(stamp.node)
+            .u32(records.len() as u32);
+        for (key, value) in records {
+            self.w.bytes(key).bytes(value);
+        }
         self.count += 1;
     }
 
@@ -370,6 +413,39 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
         ITEM_KICK => Item::Kick {
             client_id: client_id(r.bytes()?)?,
         },
+        ITEM_CLAIM => {
+            let client_id = client_id(r.bytes()?)?;
+            let stamp = Stamp {
+                clock: r.u64()?,
+                node: r.u64()?,
+            };
+            let flags = r.u8()?;
+            if flags & !CLAIM_DISCARD != 0 {
+                return Err(BatchError(format!("bad claim flags 0x{flags:02x}")));
+            }
+            Item::Claim {
+                client_id,
+                stamp,
+                discard: flags & CLAIM_DISCARD != 0,
+            }
+        }
+        ITEM_CLAIM_ANSWER => {
+            let client_id = client_id(r.bytes()?)?;
+            let stamp = Stamp {
+                clock: r.u64()?,
+                node: r.u64()?,
+            };
+            let n = r.u32()?;
+            let mut records = Vec::new();
+            for _ in 0..n {
+                records.push((r.bytes()?, r.bytes()?));
+            }
+            Item::ClaimAnswer {
+                client_id,
+                stamp,
+                records,
+            }
+        }
         ITEM_MESSAGE => {
             let flags = r.u8()?;
             let stamped = flags & MSG_STAMPED != 0;
@@ -456,6 +532,9 @@ mod tests {
         w.raw_item(&m);
         w.retained_sent();
         w.kick("dev-1");
+        let stamp = Stamp { clock: 5, node: 6 };
+        w.claim("dev-2", stamp, true);
+        w.claim_answer("dev-2", stamp, &[(b"k".to_vec(), b"v".to_vec())]);
         let header = Header {
             epoch: 1,
             seq: 2,
@@ -484,6 +563,16 @@ mod tests {
                 Item::Message(message(b"t/1", b"hello")),
                 Item::RetainedSent,
                 Item::Kick { client_id: "dev-1" },
+                Item::Claim {
+                    client_id: "dev-2",
+                    stamp,
+                    discard: true
+                },
+                Item::ClaimAnswer {
+                    client_id: "dev-2",
+                    stamp,
+                    records: vec![(&b"k"[..], &b"v"[..])]
+                },
             ]
         );
         assert!(w.is_empty());
