@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import random
 import shutil
 import signal
@@ -576,84 +577,6 @@ def test_sys_topics_show_clients_per_node_and_the_traffic_of_each_link(tmp_path)
             c.disconnect()
 
 
-def test_a_persistent_session_follows_its_client_from_node_to_node(nodes):
-    """The client reconnects to another node each time: session present, no subscribe
-    again, what was queued for it (QoS 1 and 2) in order; a connection still open on the
-    old node is taken over with 0x8E."""
-    n1, n2, n3 = nodes
-    cid, topic = unique("roam"), unique("roam/cmd")
-    expiry = {"SessionExpiryInterval": 300}
-    publisher = Client(endpoint(n3), client_id=unique("rpub"), version=5)
-    publisher.connect()
-    sub = Client(endpoint(n1), client_id=cid, version=5, clean=False, props=expiry)
-    sub.connect()
-    sub.subscribe(topic, qos=2)
-    wait_rows(n3, "n1", 1)
-    sent: list[bytes] = []
-    for hop, node in enumerate((n2, n3, n1, n2)):
-        sub.disconnect()
-        for i in range(20):
-            payload = f"{hop}-{i}".encode()
-            publisher.publish(topic, payload, qos=1 + i % 2)
-            sent.append(payload)
-        sub = Client(endpoint(node), client_id=cid, version=5, clean=False, props=expiry)
-        assert sub.connect().session_present
-        got = [m.payload for m in sub.expect(20, 10.0)]
-        # In order per QoS (paho hands a QoS 2 message over at PUBREL, after the QoS 1
-        # ones that came with it).
-        for qos in (1, 2):
-            mine = [p for p in sent[-20:] if int(p.split(b"-")[1]) % 2 == qos - 1]
-            assert [p for p in got if p in mine] == mine, (hop, qos, got)
-        assert sorted(got) == sorted(sent[-20:])
-    # n2 received the session twice (from n1, then from n3), as its metrics say.
-    with urllib.request.urlopen(f"http://{n2.admin}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    received = [
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith("fastbroker_cluster_sessions_received_total")
-    ]
-    assert received and received[0] >= 2, received
-    # Still connected on n2: a connect on n3 takes it over.
-    taker = Client(endpoint(n3), client_id=cid, version=5, clean=False, props=expiry)
-    assert taker.connect().session_present
-    wait_for(lambda: sub.disconnect_rc is not None, 5, "the old connection closed", n2)
-    assert sub.disconnect_rc == 0x8E
-    publisher.publish(topic, b"last", qos=1)
-    assert [m.payload for m in taker.expect(1, 5.0)] == [b"last"]
-    taker.disconnect()
-    publisher.disconnect()
-
-
-def test_racing_connects_with_one_client_id_on_three_nodes_leave_one(nodes):
-    cid = unique("race")
-    clients = [
-        Client(
-            endpoint(nodes[i % 3]),
-            client_id=cid,
-            version=5,
-            clean=False,
-            props={"SessionExpiryInterval": 60},
-        )
-        for i in range(12)
-    ]
-    threads = [threading.Thread(target=c.connect, kwargs={"expect_rc": None}) for c in clients]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(15)
-
-    def survivors() -> list[Client]:
-        return [c for c in clients if c.connack is not None and c.disconnect_rc is None]
-
-    wait_for(lambda: len(survivors()) <= 1, 10, "one survivor", *nodes)
-    time.sleep(1.0)
-    alive = survivors()
-    assert len(alive) == 1, [(c.connack, c.disconnect_rc) for c in clients]
-    for c in clients:
-        c.disconnect()
-
-
 def test_concurrent_retained_writes_on_different_nodes_end_in_one_value(nodes):
     n1, n2, n3 = nodes
     root = unique("race")
@@ -793,3 +716,140 @@ def test_links_over_tls_with_mutual_authentication(tmp_path):
         assert status3 is not None and not status3["member"]
         assert status3["data_plane"] == {}
         assert "n3" not in (n1.status() or {}).get("data_plane", {})
+
+
+# ------------------------------------------------------------------ sessions across nodes
+# Last in the module: the relays they leave behind end a few seconds later, changing route
+# rows that earlier tests compare.
+
+
+def test_a_persistent_session_follows_its_client_from_node_to_node(nodes):
+    """The client reconnects to another node each time: session present, no subscribe
+    again, what was queued for it (QoS 1 and 2) in order; a connection still open on the
+    old node is taken over with 0x8E."""
+    n1, n2, n3 = nodes
+    cid, topic = unique("roam"), unique("roam/cmd")
+    expiry = {"SessionExpiryInterval": 300}
+    publisher = Client(endpoint(n3), client_id=unique("rpub"), version=5)
+    publisher.connect()
+    sub = Client(endpoint(n1), client_id=cid, version=5, clean=False, props=expiry)
+    sub.connect()
+    sub.subscribe(topic, qos=2)
+    wait_rows(n3, "n1", 1)
+    sent: list[bytes] = []
+    for hop, node in enumerate((n2, n3, n1, n2)):
+        sub.disconnect()
+        for i in range(20):
+            payload = f"{hop}-{i}".encode()
+            publisher.publish(topic, payload, qos=1 + i % 2)
+            sent.append(payload)
+        sub = Client(endpoint(node), client_id=cid, version=5, clean=False, props=expiry)
+        assert sub.connect().session_present
+        got = [m.payload for m in sub.expect(20, 10.0)]
+        # In order per QoS (paho hands a QoS 2 message over at PUBREL, after the QoS 1
+        # ones that came with it).
+        for qos in (1, 2):
+            mine = [p for p in sent[-20:] if int(p.split(b"-")[1]) % 2 == qos - 1]
+            assert [p for p in got if p in mine] == mine, (hop, qos, got)
+        assert sorted(got) == sorted(sent[-20:])
+    # n2 received the session twice (from n1, then from n3), as its metrics say.
+    with urllib.request.urlopen(f"http://{n2.admin}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    received = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("fastbroker_cluster_sessions_received_total")
+    ]
+    assert received and received[0] >= 2, received
+    # Still connected on n2: a connect on n3 takes it over.
+    taker = Client(endpoint(n3), client_id=cid, version=5, clean=False, props=expiry)
+    assert taker.connect().session_present
+    wait_for(lambda: sub.disconnect_rc is not None, 5, "the old connection closed", n2)
+    assert sub.disconnect_rc == 0x8E
+    publisher.publish(topic, b"last", qos=1)
+    assert [m.payload for m in taker.expect(1, 5.0)] == [b"last"]
+    taker.disconnect()
+    publisher.disconnect()
+
+
+def test_a_session_moving_mid_stream_loses_nothing_acknowledged(nodes):
+    """A QoS 1 stream from n3 runs while its persistent subscriber hops between n1 and n2:
+    the route rows move under the stream, and the old home relays what still reaches it.
+    Every acknowledged message arrives (QoS 1 may repeat one whose PUBACK a hop cut off)."""
+    n1, n2, n3 = nodes
+    cid, topic = unique("hop"), unique("hop/cmd")
+    expiry = {"SessionExpiryInterval": 300}
+    sub = Client(endpoint(n1), client_id=cid, version=5, clean=False, props=expiry)
+    sub.connect()
+    sub.subscribe(topic, qos=1)
+    wait_rows(n3, "n1", 1)
+    publisher = Client(endpoint(n3), client_id=unique("hpub"), version=5)
+    publisher.connect()
+    acked: list[bytes] = []
+
+    def publish() -> None:
+        for i in range(400):
+            publisher.publish(topic, i.to_bytes(4, "big"), qos=1)
+            acked.append(i.to_bytes(4, "big"))
+            time.sleep(0.002)
+
+    sender = threading.Thread(target=publish)
+    sender.start()
+    got: list[bytes] = []
+
+    def take(client: Client, seconds: float) -> list[bytes]:
+        end, out = time.monotonic() + seconds, []
+        while (left := end - time.monotonic()) > 0:
+            try:
+                out.append(client.messages.get(timeout=left).payload)
+            except queue.Empty:
+                break
+        return out
+
+    hops = 0
+    while sender.is_alive() and hops < 12:
+        got += take(sub, 0.15)
+        sub.disconnect()
+        got += [m.payload for m in sub.drain(0.0)]
+        hops += 1
+        node = (n2, n1)[hops % 2]
+        sub = Client(endpoint(node), client_id=cid, version=5, clean=False, props=expiry)
+        assert sub.connect().session_present
+    sender.join(60)
+    assert len(acked) == 400 and hops >= 3
+    deadline = time.monotonic() + 10
+    while set(acked) - set(got) and time.monotonic() < deadline:
+        got += [m.payload for m in sub.drain(0.3)]
+    missing = sorted(int.from_bytes(m, "big") for m in set(acked) - set(got))
+    assert not missing, f"{len(missing)} acknowledged messages lost over {hops} hops: {missing}"
+    sub.disconnect()
+    publisher.disconnect()
+
+
+def test_racing_connects_with_one_client_id_on_three_nodes_leave_one(nodes):
+    cid = unique("race")
+    clients = [
+        Client(
+            endpoint(nodes[i % 3]),
+            client_id=cid,
+            version=5,
+            clean=False,
+            props={"SessionExpiryInterval": 60},
+        )
+        for i in range(12)
+    ]
+    threads = [threading.Thread(target=c.connect, kwargs={"expect_rc": None}) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+
+    def survivors() -> list[Client]:
+        return [c for c in clients if c.connack is not None and c.disconnect_rc is None]
+
+    wait_for(lambda: len(survivors()) <= 1, 10, "one survivor", *nodes)
+    time.sleep(1.0)
+    alive = survivors()
+    assert len(alive) == 1, [(c.connack, c.disconnect_rc) for c in clients]
+    for c in clients:
+        c.disconnect()

@@ -109,6 +109,8 @@ struct Outgoing {
 
 struct Peer {
     name: Arc<str>,
+    /// Its key in messages' `also` lists (the hash of its name, as in retained stamps).
+    key: u64,
     /// The link is up and may take more bytes now.
     up: bool,
     writable: bool,
@@ -147,6 +149,7 @@ struct Peer {
 impl Peer {
     fn new(name: Arc<str>) -> Peer {
         Peer {
+            key: super::cluster_retained::node_key(&name),
             name,
             up: false,
             writable: true,
@@ -431,6 +434,63 @@ impl Cluster {
         if let Some(peer) = self.peer_mut(id) {
             peer.items.claim_answer(client_id, stamp, records);
             peer.reliable = true;
+            self.has_output = true;
+        }
+    }
+
+    /// Peer `id`'s key in messages' `also` lists.
+    pub(super) fn peer_key(&self, id: PeerId) -> u64 {
+        self.peers
+            .get(usize::from(id))
+            .and_then(Option::as_ref)
+            .map_or(0, |p| p.key)
+    }
+
+    /// Whether the message being routed goes to peer `id` for its plain subscriptions.
+    pub(super) fn plans_plain(&self, id: PeerId) -> bool {
+        self.plan.plain.binary_search(&id).is_ok()
+    }
+
+    /// A message for session `client_id`, which moved to peer `id` (see cluster_sessions).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn queue_session_message(
+        &mut self,
+        id: PeerId,
+        client_id: &str,
+        msg: &Message,
+        qos: QoS,
+        retain: bool,
+        sub_ids: &[u32],
+        now: u64,
+    ) {
+        let mut props = Vec::new();
+        if let Some(p) = msg.props.as_deref() {
+            codec::encode_properties(p, &mut props).expect("routed properties encode");
+        }
+        let mut message = Vec::new();
+        // Not a retained write (that went to every node already): the delivery's retain
+        // flag travels beside it.
+        batch::encode_message(
+            &WireMessage {
+                topic: &msg.topic,
+                payload: &msg.payload,
+                qos: msg.qos as u8,
+                retain: false,
+                expires_in_ms: msg.expires_at.map(|t| t.saturating_sub(now)),
+                props: &props,
+                plain: true,
+                groups: Vec::new(),
+                stamp: None,
+                also: Vec::new(),
+            },
+            &mut message,
+        );
+        let mut item = Vec::new();
+        batch::encode_session_message(client_id, qos as u8, retain, sub_ids, &message, &mut item);
+        if let Some(peer) = self.peer_mut(id) {
+            peer.items.raw_item(&item);
+            peer.item_messages += 1;
+            peer.reliable |= qos != QoS::AtMostOnce;
             self.has_output = true;
         }
     }
@@ -1034,6 +1094,12 @@ impl Engine {
                     }
                     messages.push(message_from_wire(m, now)?);
                 }
+                Item::SessionMessage { message, qos, .. } => {
+                    if *qos > message.qos {
+                        return Err("relayed message above its QoS".into());
+                    }
+                    messages.push(message_from_wire(message, now)?);
+                }
                 Item::ClaimAnswer {
                     client_id, records, ..
                 } => {
@@ -1148,6 +1214,16 @@ impl Engine {
                     stamp,
                     discard,
                 } => self.claim_received(id, client_id, stamp, discard, now),
+                Item::SessionMessage {
+                    client_id,
+                    qos,
+                    retain,
+                    sub_ids,
+                    ..
+                } => {
+                    let msg = messages.next().expect("one per message item");
+                    self.relayed(client_id, Arc::new(msg), qos, retain, sub_ids, now);
+                }
                 Item::ClaimAnswer {
                     client_id,
                     stamp,
@@ -1159,6 +1235,8 @@ impl Engine {
                         plain: m.plain,
                         groups: &m.groups,
                         stamp: m.stamp,
+                        from: id,
+                        also: &m.also,
                     };
                     self.route_local(Arc::new(msg), now, scope);
                 }
@@ -1230,6 +1308,17 @@ impl Engine {
         // Most messages go to no shared group: one encoding then serves every peer with the
         // same plain flag.
         let mut cached: Option<bool> = None;
+        // Sent plain to several nodes: each learns the others (a relay skips them).
+        let also: Vec<u64> = if c.plan.plain.len() > 1 {
+            c.plan
+                .plain
+                .iter()
+                .filter_map(|&p| c.peers.get(usize::from(p)).and_then(Option::as_ref))
+                .map(|p| p.key)
+                .collect()
+        } else {
+            Vec::new()
+        };
         for &id in &targets {
             let plain = c.plan.plain.binary_search(&id).is_ok();
             let groups: Vec<&str> = c
@@ -1243,7 +1332,8 @@ impl Engine {
                 cached = groups.is_empty().then_some(plain);
                 item.clear();
                 let stamp = msg.retain.then(|| c.retained.routing.unwrap_or_default());
-                encode_routed(msg, &props, now, plain, groups, stamp, &mut item);
+                let also = if plain { also.clone() } else { Vec::new() };
+                encode_routed(msg, &props, now, plain, groups, stamp, also, &mut item);
             }
             let Some(peer) = c.peers.get_mut(usize::from(id)).and_then(Option::as_mut) else {
                 continue;
@@ -1394,6 +1484,7 @@ impl Engine {
 }
 
 /// `msg` as an item of a batch (`props` already encoded), its expiry counted down to `now`.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn encode_routed(
     msg: &Message,
     props: &[u8],
@@ -1401,6 +1492,7 @@ pub(super) fn encode_routed(
     plain: bool,
     groups: Vec<&str>,
     stamp: Option<Stamp>,
+    also: Vec<u64>,
     out: &mut Vec<u8>,
 ) {
     batch::encode_message(
@@ -1414,6 +1506,7 @@ pub(super) fn encode_routed(
             plain,
             groups,
             stamp,
+            also,
         },
         out,
     );

@@ -170,7 +170,16 @@ impl Engine {
             item.clear();
             // Kept only: plain off, no groups.
             let stamp = Some(r.stamp_of(&msg.topic));
-            encode_routed(msg, &props, now, false, Vec::new(), stamp, &mut item);
+            encode_routed(
+                msg,
+                &props,
+                now,
+                false,
+                Vec::new(),
+                stamp,
+                Vec::new(),
+                &mut item,
+            );
             items.push(item.clone());
         }
         for (topic, stamp) in r.tombstones() {
@@ -186,6 +195,7 @@ impl Engine {
                     plain: false,
                     groups: Vec::new(),
                     stamp: Some(stamp),
+                    also: Vec::new(),
                 },
                 &mut item,
             );

@@ -17,10 +17,16 @@
 //!   batch kept in its store in the same write that deletes them, so a crash of either node
 //!   at any point leaves them on one disk at least. An answer that finds no claim waiting
 //!   (the claimant restarted, or gave up) is installed as a disconnected session.
+//! - **The relay.** Route rows move with the session, and other nodes learn of it at
+//!   different moments. For `RELAY_MS` the old home keeps the session's subscriptions and
+//!   sends what still matches them to the new home (`SessionMessage`), except a message that
+//!   came from the new home or that the new home also got for its own plain subscriptions
+//!   (a forwarded message lists the other nodes it went to): each message reaches the moved
+//!   session once, whatever order the row changes arrive in.
 //!
 //! Not yet (issue 16): claims go to every reachable node, not through the partition's
-//! primary; a message published on a third node while the route rows move (one link round
-//! trip) can miss the moving session; copies on replicas.
+//! primary; a node that cannot reach the new home for longer than `RELAY_MS` misses it with
+//! what it publishes meanwhile; copies on replicas.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -29,12 +35,17 @@ use bytes::Bytes;
 
 use super::cluster::PeerId;
 use super::connect::PendingConnect;
-use super::state::{ConnState, SessionId};
+use super::router::Scope;
+use super::state::{ConnState, Message, SessionId};
 use super::{ConnId, Engine};
 use crate::cluster::batch::Stamp;
+use crate::codec::QoS;
 
 /// How long a claim waits for a peer whose link is up but that does not answer.
 const CLAIM_TIMEOUT_MS: u64 = 3_000;
+/// How long the old home relays a moved session's messages: far longer than route rows take
+/// to reach every node over links that are up.
+const RELAY_MS: u64 = 5_000;
 
 /// A CONNECT of this node waiting for the answers to its claim.
 struct Claim {
@@ -46,6 +57,9 @@ struct Claim {
     /// Peers whose answer is still awaited.
     waiting: Vec<PeerId>,
     deadline: u64,
+    /// Messages for the session on its way here that reached this node first (through an
+    /// old relay of it, or relayed before it arrived): delivered to it once installed.
+    early: Vec<(Arc<Message>, QoS, bool, Vec<u32>)>,
 }
 
 #[derive(Default)]
@@ -54,6 +68,12 @@ pub(super) struct Claims {
     pending: HashMap<Arc<str>, Claim>,
     /// Newer claims of peers for a client id this node claims too, served once ours is done.
     deferred: Vec<(PeerId, Arc<str>, Stamp, bool)>,
+    /// Sessions handed over a moment ago: the peer they went to, and until when their
+    /// subscriptions here relay to it.
+    relays: HashMap<SessionId, (PeerId, u64)>,
+    /// The stamp of the claim each session here last won: an older claim that arrives late
+    /// (sent again after a link came back) does not take it away.
+    pub(super) won: HashMap<SessionId, Stamp>,
     pub(super) stats: ClaimStats,
 }
 
@@ -67,6 +87,25 @@ pub struct ClaimStats {
     pub sessions_out: u64,
     /// Claims that went on without every answer (a peer up but silent).
     pub timed_out: u64,
+    /// Messages relayed to a session's new home.
+    pub relayed: u64,
+}
+
+impl Claims {
+    /// Session `sid` is gone (its number may be given to another).
+    pub(super) fn forget(&mut self, sid: SessionId) {
+        if !self.won.is_empty() {
+            self.won.remove(&sid);
+        }
+        if !self.relays.is_empty() {
+            self.relays.remove(&sid);
+        }
+    }
+
+    /// Whether session `sid` moved away a moment ago (its messages are relayed).
+    pub(super) fn relaying(&self, sid: SessionId) -> bool {
+        !self.relays.is_empty() && self.relays.contains_key(&sid)
+    }
 }
 
 impl Engine {
@@ -113,6 +152,7 @@ impl Engine {
                 auth_data,
                 waiting: peers,
                 deadline: now + CLAIM_TIMEOUT_MS,
+                early: Vec::new(),
             },
         );
     }
@@ -155,7 +195,13 @@ impl Engine {
         now: u64,
     ) {
         let mut records = Vec::new();
-        if let Some(&sid) = self.by_client.get(client_id) {
+        let sid = self.by_client.get(client_id).copied();
+        if sid.is_some_and(|sid| self.claims.won.get(&sid).is_some_and(|&w| w > stamp)) {
+            // Made by a newer claim than this one: it stays.
+            self.cluster.queue_claim_answer(peer, client_id, stamp, &[]);
+            return;
+        }
+        if let Some(sid) = sid {
             if let Some(conn) = self.session(sid).and_then(|s| s.conn) {
                 // As a takeover on one node: the will goes as for an abnormal end.
                 self.close(
@@ -172,7 +218,7 @@ impl Engine {
                     self.end_session(sid, now);
                 } else {
                     records = self.session_records(sid, now);
-                    self.take_session(sid);
+                    self.hand_over(sid, peer, now);
                     self.claims.stats.sessions_out += 1;
                 }
             }
@@ -270,6 +316,8 @@ impl Engine {
         let live = self.conn(claim.conn).is_some_and(|c| {
             c.state == ConnState::AwaitClaim && c.client_id == claim.connect.client_id
         });
+        let id = claim.connect.client_id.clone();
+        let clean = claim.connect.connect.clean_start;
         if live {
             self.accept_connect_here(
                 claim.conn,
@@ -278,6 +326,19 @@ impl Engine {
                 claim.auth_data,
                 now,
             );
+            if let Some(&sid) = self.by_client.get(&id) {
+                self.claims.won.insert(sid, claim.stamp);
+            }
+        }
+        if !clean {
+            // After what the session brought (a clean start wanted none of it).
+            if let Some(&sid) = self.by_client.get(&id) {
+                for (msg, qos, retain, sub_ids) in claim.early {
+                    self.deliver(sid, &msg, qos, retain, sub_ids, now);
+                }
+            }
+        }
+        if live {
             // What the client sent while it waited is handled now.
             self.run(claim.conn, now);
         }
@@ -310,8 +371,20 @@ impl Engine {
         }
     }
 
-    /// Claims past their deadline go on without the missing answers.
+    /// Claims past their deadline go on without the missing answers; relays past theirs end.
     pub(super) fn claims_tick(&mut self, now: u64) {
+        if !self.claims.relays.is_empty() {
+            let done: Vec<SessionId> = self
+                .claims
+                .relays
+                .iter()
+                .filter(|(_, &(_, until))| now >= until)
+                .map(|(&sid, _)| sid)
+                .collect();
+            for sid in done {
+                self.end_relay(sid);
+            }
+        }
         if self.claims.pending.is_empty() {
             return;
         }
@@ -342,12 +415,115 @@ impl Engine {
         self.claims.stats
     }
 
-    /// Removes session `sid` with all its records, without publishing its will: it lives on
-    /// elsewhere.
-    fn take_session(&mut self, sid: SessionId) {
+    /// Session `sid` went to `peer` (its records in the batch being written): its records
+    /// here go, its state is empty, its client id is free here, and its subscriptions relay
+    /// to `peer` for `RELAY_MS`. No will: it lives on there.
+    fn hand_over(&mut self, sid: SessionId, peer: PeerId, now: u64) {
         self.unpersist_session(sid);
-        if let Some(session) = self.remove_session(sid) {
-            drop(session);
+        let session = self.session_mut(sid).expect("caller checked");
+        session.queue.clear();
+        session.queued_bytes = 0;
+        session.inflight.clear();
+        session.inflight_ids = None;
+        session.inbound_qos2 = Default::default();
+        session.pending_will = None;
+        let id = session.client_id.clone();
+        if self.by_client.get(&id) == Some(&sid) {
+            self.by_client.remove(&id);
         }
+        self.claims.relays.insert(sid, (peer, now + RELAY_MS));
+    }
+
+    /// The relay of `sid` ends: its subscriptions go (and with them this node's route rows,
+    /// if no other session here holds their filters).
+    fn end_relay(&mut self, sid: SessionId) {
+        if self.claims.relays.contains_key(&sid) {
+            self.remove_session(sid);
+        }
+    }
+
+    /// `msg` matched a subscription of `sid`, which moved to another node: sent on there,
+    /// unless it came from that node or that node got it for its own plain subscriptions
+    /// (`plain`: the match was a plain subscription, not a shared group's pick). True if it
+    /// went on.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn relay(
+        &mut self,
+        sid: SessionId,
+        msg: &Arc<Message>,
+        qos: QoS,
+        retain: bool,
+        sub_ids: Vec<u32>,
+        plain: bool,
+        scope: Scope<'_>,
+        now: u64,
+    ) -> bool {
+        let Some(&(peer, _)) = self.claims.relays.get(&sid) else {
+            return false;
+        };
+        let Some(session) = self.session(sid) else {
+            return false;
+        };
+        let client_id = session.client_id.clone();
+        if self.by_client.contains_key(&client_id) {
+            // The client is back here: the relay is over.
+            self.end_relay(sid);
+            return false;
+        }
+        if let Some(claim) = self.claims.pending.get_mut(&client_id) {
+            // The client is coming back here: the session follows, and so does this. (The
+            // node it moved to may have it too if it got there before the session left:
+            // QoS 1 may then arrive twice; message ids will tell, issue 16.)
+            claim.early.push((msg.clone(), qos, retain, sub_ids));
+            return true;
+        }
+        let skip = match scope {
+            Scope::Forwarded { from, also, .. } => {
+                from == peer || (plain && also.contains(&self.cluster.peer_key(peer)))
+            }
+            Scope::Origin => plain && self.cluster.plans_plain(peer),
+        };
+        if skip {
+            return false;
+        }
+        self.claims.stats.relayed += 1;
+        self.cluster
+            .queue_session_message(peer, &client_id, msg, qos, retain, &sub_ids, now);
+        if qos != QoS::AtMostOnce {
+            // Kept on disk with the write that acknowledges it to its sender.
+            self.cluster.seal_for(peer);
+            self.store_outgoing(peer);
+        }
+        true
+    }
+
+    /// A message relayed to session `client_id`, which moved here.
+    pub(super) fn relayed(
+        &mut self,
+        client_id: &str,
+        msg: Arc<Message>,
+        qos: u8,
+        retain: bool,
+        sub_ids: Vec<u32>,
+        now: u64,
+    ) {
+        let qos = match qos {
+            2 => QoS::ExactlyOnce,
+            1 => QoS::AtLeastOnce,
+            _ => QoS::AtMostOnce,
+        };
+        let Some(&sid) = self.by_client.get(client_id) else {
+            if let Some(claim) = self.claims.pending.get_mut(client_id) {
+                claim.early.push((msg, qos, retain, sub_ids));
+                return;
+            }
+            self.event(
+                "relay_dropped",
+                Arc::from(client_id),
+                "no session for a relayed message".into(),
+            );
+            return;
+        };
+        self.deliver(sid, &msg, qos, retain, sub_ids, now);
     }
 }

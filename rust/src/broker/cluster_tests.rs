@@ -389,6 +389,7 @@ fn retained_batch(topic: &str, payload: &str, clock: u64, seq: u64) -> Vec<u8> {
             plain: false,
             groups: Vec::new(),
             stamp: Some(Stamp { clock, node: 77 }),
+            also: Vec::new(),
         },
         &mut item,
     );
@@ -928,15 +929,60 @@ fn a_persistent_session_follows_its_client_to_another_node() {
     let got = n.h[1].recv_one(back);
     assert!(connack(&got).session_present, "{got:?}");
     assert_eq!(payloads(&got[1..]), ["m1", "m2", "m3"]);
-    // The session left node 0, route row included; the next command goes to node 1.
+    // The session left node 0; its row stays there while node 0 relays (node 2 sends to both
+    // nodes, each knowing of the other: no second copy).
     assert_eq!(n.h[0].e.session_count(), 0);
-    assert_eq!(n.rows(2, 0), 0);
+    assert_eq!(n.rows(2, 0), 1);
     assert_eq!(n.rows(2, 1), 1);
     n.h[2].publish(publisher, "cmd/dev", "m4", QoS::AtLeastOnce, false);
     n.settle();
     assert_eq!(payloads(&n.h[1].recv_one(back)), ["m4"]);
+    assert_eq!(n.h[0].e.claim_stats().relayed, 0);
     assert_eq!(n.h[1].e.claim_stats().sessions_in, 1);
     assert_eq!(n.h[0].e.claim_stats().sessions_out, 1);
+    // The relay ends: node 0's row goes.
+    let later = n.h[0].now + 5_000;
+    n.h[0].e.tick(later);
+    n.settle();
+    assert_eq!(n.rows(2, 0), 0);
+    n.h[2].publish(publisher, "cmd/dev", "m5", QoS::AtLeastOnce, false);
+    n.settle();
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["m5"]);
+}
+
+#[test]
+fn a_node_that_has_not_heard_of_the_move_reaches_the_session_through_the_relay() {
+    let mut n = Nodes::new(3);
+    let dev = n.h[0].connect("roamer", Protocol::V311, false);
+    n.h[0].subscribe(dev, "cmd/roamer", QoS::ExactlyOnce);
+    let publisher = n.h[2].connect("pub", Protocol::V5, true);
+    n.settle();
+    protocol3(&mut n);
+    // Node 2 does not hear from node 1 for now: it knows only node 0's row.
+    n.cut.push((1, 2));
+    let back = n.h[1].open_connect(super::tests::connect("roamer", Protocol::V311, false));
+    n.settle();
+    // Node 2 cannot answer the claim either: it goes on after its timeout.
+    let later = n.h[1].now + 3_000;
+    n.h[1].e.tick(later);
+    assert!(connack(&n.h[1].recv_one(back)).session_present);
+    assert_eq!(n.rows(2, 1), 0);
+    // (One QoS 2 publish: the harness gives every publish the same packet id.)
+    n.h[2].publish(publisher, "cmd/roamer", "q1", QoS::ExactlyOnce, false);
+    n.h[2].publish(publisher, "cmd/roamer", "q2", QoS::AtLeastOnce, false);
+    n.settle();
+    // Through node 0, once each.
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["q1", "q2"]);
+    assert_eq!(n.h[0].e.claim_stats().relayed, 2);
+    // Node 2 hears of node 1's row: from now on both rows match, and node 0 relays nothing.
+    n.cut.clear();
+    n.cut_link(1, 2);
+    n.heal_link(1, 2);
+    assert_eq!(n.rows(2, 1), 1);
+    n.h[2].publish(publisher, "cmd/roamer", "q3", QoS::AtLeastOnce, false);
+    n.settle();
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["q3"]);
+    assert_eq!(n.h[0].e.claim_stats().relayed, 2);
 }
 
 #[test]
@@ -1046,4 +1092,32 @@ fn a_claim_goes_on_after_its_timeout_when_a_peer_stays_silent() {
     n.h[1].e.tick(later);
     assert_eq!(connack(&n.h[1].recv_one(c)).reason_code, 0);
     assert_eq!(n.h[1].e.claim_stats().timed_out, 1);
+}
+
+#[test]
+fn a_session_that_comes_straight_back_gets_what_its_old_relay_caught_meanwhile() {
+    let mut n = Nodes::new(3);
+    let dev = n.h[0].connect("yoyo", Protocol::V311, false);
+    n.h[0].subscribe(dev, "cmd/yoyo", QoS::AtLeastOnce);
+    let publisher = n.h[1].connect("pub", Protocol::V5, true);
+    n.settle();
+    protocol3(&mut n);
+    let now = n.h[0].now;
+    n.h[0].e.closed(dev, now);
+    // To node 2 (node 0 now relays to it) ...
+    let there = n.h[2].open_connect(super::tests::connect("yoyo", Protocol::V311, false));
+    n.settle();
+    assert!(connack(&n.h[2].recv_one(there)).session_present);
+    let now = n.h[2].now;
+    n.h[2].e.closed(there, now);
+    // ... and straight back to node 0 while node 1 publishes to both: node 0 gets the
+    // message before the session (nodes pass frames in index order), node 2 after the
+    // session left, and leaves it to node 0.
+    let back = n.h[0].open_connect(super::tests::connect("yoyo", Protocol::V311, false));
+    n.h[1].publish(publisher, "cmd/yoyo", "x", QoS::AtLeastOnce, false);
+    n.settle();
+    let got = n.h[0].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), ["x"]);
+    assert!(n.h[2].recv().is_empty());
 }

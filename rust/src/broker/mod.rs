@@ -613,7 +613,11 @@ impl Engine {
         for filter in session.subs.keys() {
             self.index_unsubscribe(filter, sid);
         }
-        self.by_client.remove(&session.client_id);
+        self.claims.forget(sid);
+        // A session handed to another node no longer owns its id here.
+        if self.by_client.get(&session.client_id) == Some(&sid) {
+            self.by_client.remove(&session.client_id);
+        }
         self.free_sessions.push(sid);
         Some(session)
     }

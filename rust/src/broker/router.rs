@@ -8,6 +8,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::acl;
+use super::cluster::PeerId;
 use super::state::{AwaitingAck, ConnState, Delivery, Inflight, Message, SessionId};
 use super::{ConnId, Engine};
 use crate::cluster::batch::Stamp;
@@ -53,6 +54,9 @@ pub(super) enum Scope<'a> {
         plain: bool,
         groups: &'a [&'a str],
         stamp: Option<Stamp>,
+        /// The peer it came from, and the keys of the other nodes it went to plain.
+        from: PeerId,
+        also: &'a [u64],
     },
 }
 
@@ -390,13 +394,21 @@ impl Engine {
                 }
             }
         }
+        let plain_targets = scratch.targets.len();
         for (sid, opts) in picked {
             scratch.targets.push((sid, opts, sub_ids_of(&opts)));
         }
         let mut count = 0;
-        for (sid, opts, ids) in scratch.targets.drain(..) {
+        for (i, (sid, opts, ids)) in scratch.targets.drain(..).enumerate() {
             let qos = msg.qos.min(opts.qos);
             let retain = msg.retain && opts.retain_as_published;
+            if self.claims.relaying(sid) {
+                // A session that moved to another node a moment ago (cluster_sessions).
+                if self.relay(sid, &msg, qos, retain, ids, i < plain_targets, scope, now) {
+                    count += 1;
+                }
+                continue;
+            }
             if self.deliver(sid, &msg, qos, retain, ids, now) {
                 count += 1;
             }

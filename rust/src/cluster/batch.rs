@@ -50,12 +50,14 @@ const ITEM_RETAINED_SENT: u8 = 6;
 const ITEM_KICK: u8 = 7;
 const ITEM_CLAIM: u8 = 8;
 const ITEM_CLAIM_ANSWER: u8 = 9;
+const ITEM_SESSION_MESSAGE: u8 = 10;
 
 const CLAIM_DISCARD: u8 = 1;
 
 const MSG_RETAIN: u8 = 0b100;
 const MSG_NOT_PLAIN: u8 = 0b1000;
 const MSG_STAMPED: u8 = 0b1_0000;
+const MSG_ALSO: u8 = 0b10_0000;
 
 /// The version of a retained write: a hybrid logical clock (wall milliseconds << 16, plus
 /// a counter) and the writing node's key, compared in that order. Every node applies a
@@ -94,6 +96,10 @@ pub struct WireMessage<'a> {
     pub groups: Vec<&'a str>,
     /// The retained write's version (retained messages only).
     pub stamp: Option<Stamp>,
+    /// The keys of the other nodes this message went to for their plain subscriptions
+    /// (empty when it went to one node only): a node relaying for a session that moved to
+    /// one of them does not send it a second copy.
+    pub also: Vec<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,6 +126,15 @@ pub enum Item<'a> {
     /// (protocol 3 on; never sent to a peer that speaks 2).
     Kick {
         client_id: &'a str,
+    },
+    /// A message for session `client_id`, which moved from the sender to the receiver: the
+    /// sender's subscriptions for it still matched (route rows take a moment to move).
+    SessionMessage {
+        client_id: &'a str,
+        qos: u8,
+        retain: bool,
+        sub_ids: Vec<u32>,
+        message: WireMessage<'a>,
     },
     /// The sender has a CONNECT for `client_id`, stamped with its clock: the receiver closes
     /// its own connection of that client (DISCONNECT 0x8E) and hands the session over in a
@@ -297,6 +312,9 @@ pub fn encode_message(m: &WireMessage<'_>, out: &mut Vec<u8>) {
     if m.stamp.is_some() {
         flags |= MSG_STAMPED;
     }
+    if !m.also.is_empty() {
+        flags |= MSG_ALSO;
+    }
     w.u8(ITEM_MESSAGE).u8(flags);
     if let Some(s) = m.stamp {
         w.u64(s.clock).u64(s.node);
@@ -309,6 +327,36 @@ pub fn encode_message(m: &WireMessage<'_>, out: &mut Vec<u8>) {
     for g in &m.groups {
         w.bytes(g.as_bytes());
     }
+    if !m.also.is_empty() {
+        w.u32(m.also.len() as u32);
+        for &k in &m.also {
+            w.u64(k);
+        }
+    }
+    *out = w.buf;
+}
+
+/// A [`Item::SessionMessage`]: `message` is an item made by [`encode_message`].
+pub fn encode_session_message(
+    client_id: &str,
+    qos: u8,
+    retain: bool,
+    sub_ids: &[u32],
+    message: &[u8],
+    out: &mut Vec<u8>,
+) {
+    let mut w = Writer {
+        buf: std::mem::take(out),
+    };
+    w.u8(ITEM_SESSION_MESSAGE)
+        .bytes(client_id.as_bytes())
+        .u8(qos)
+        .u8(u8::from(retain))
+        .u32(sub_ids.len() as u32);
+    for &id in sub_ids {
+        w.u32(id);
+    }
+    w.buf.extend_from_slice(message);
     *out = w.buf;
 }
 
@@ -446,42 +494,78 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
                 records,
             }
         }
-        ITEM_MESSAGE => {
-            let flags = r.u8()?;
-            let stamped = flags & MSG_STAMPED != 0;
-            if flags & !0b1_1111 != 0 || flags & 0b11 == 3 || stamped != (flags & MSG_RETAIN != 0) {
-                return Err(BatchError(format!("bad message flags 0x{flags:02x}")));
+        ITEM_MESSAGE => Item::Message(read_message(r)?),
+        ITEM_SESSION_MESSAGE => {
+            let client_id = client_id(r.bytes()?)?;
+            let qos = r.u8()?;
+            let retain = r.u8()?;
+            if qos > 2 || retain > 1 {
+                return Err(BatchError("bad session message flags".into()));
             }
-            let stamp = if stamped {
-                Some(Stamp {
-                    clock: r.u64()?,
-                    node: r.u64()?,
-                })
-            } else {
-                None
-            };
-            let expires_in_ms = r.opt_u64()?;
-            let topic = r.bytes()?;
-            let payload = r.bytes()?;
-            let props = r.bytes()?;
             let n = r.u32()?;
-            let mut groups = Vec::new();
+            let mut sub_ids = Vec::new();
             for _ in 0..n {
-                groups.push(utf8(r.bytes()?)?);
+                sub_ids.push(r.u32()?);
             }
-            Item::Message(WireMessage {
-                qos: flags & 0b11,
-                retain: flags & MSG_RETAIN != 0,
-                plain: flags & MSG_NOT_PLAIN == 0,
-                stamp,
-                expires_in_ms,
-                topic,
-                payload,
-                props,
-                groups,
-            })
+            // Not read_item: a session message cannot nest another (no recursion).
+            if r.u8()? != ITEM_MESSAGE {
+                return Err(BatchError("session message without a message".into()));
+            }
+            let message = read_message(r)?;
+            Item::SessionMessage {
+                client_id,
+                qos,
+                retain: retain == 1,
+                sub_ids,
+                message,
+            }
         }
         tag => return Err(BatchError(format!("unknown batch item 0x{tag:02x}"))),
+    })
+}
+
+/// The fields of a message item, its tag read.
+fn read_message<'a>(r: &mut Reader<'a>) -> Result<WireMessage<'a>, BatchError> {
+    let flags = r.u8()?;
+    let stamped = flags & MSG_STAMPED != 0;
+    if flags & !0b11_1111 != 0 || flags & 0b11 == 3 || stamped != (flags & MSG_RETAIN != 0) {
+        return Err(BatchError(format!("bad message flags 0x{flags:02x}")));
+    }
+    let stamp = if stamped {
+        Some(Stamp {
+            clock: r.u64()?,
+            node: r.u64()?,
+        })
+    } else {
+        None
+    };
+    let expires_in_ms = r.opt_u64()?;
+    let topic = r.bytes()?;
+    let payload = r.bytes()?;
+    let props = r.bytes()?;
+    let n = r.u32()?;
+    let mut groups = Vec::new();
+    for _ in 0..n {
+        groups.push(utf8(r.bytes()?)?);
+    }
+    let mut also = Vec::new();
+    if flags & MSG_ALSO != 0 {
+        let n = r.u32()?;
+        for _ in 0..n {
+            also.push(r.u64()?);
+        }
+    }
+    Ok(WireMessage {
+        qos: flags & 0b11,
+        retain: flags & MSG_RETAIN != 0,
+        plain: flags & MSG_NOT_PLAIN == 0,
+        stamp,
+        expires_in_ms,
+        topic,
+        payload,
+        props,
+        groups,
+        also,
     })
 }
 
@@ -517,6 +601,7 @@ mod tests {
                 clock: 9 << 16,
                 node: 3,
             }),
+            also: vec![11, 12],
         }
     }
 
@@ -695,6 +780,7 @@ mod tests {
                 plain,
                 groups: if shared { vec!["$share/g/#"] } else { vec![] },
                 stamp: retain.then_some(Stamp { clock, node: 7 }),
+                also: if shared { vec![] } else { vec![clock, 3] },
             };
             let mut item = Vec::new();
             encode_message(&m, &mut item);
