@@ -364,6 +364,7 @@ pub(super) struct Cluster {
     scratch_targets: Vec<PeerId>,
     scratch_item: Vec<u8>,
     scratch_props: Vec<u8>,
+    scratch_also: Vec<u64>,
     /// The (peer, batch) pairs the last `forward` put a reliable message in, on links up.
     waits: Vec<(PeerId, u64)>,
     held_acks: VecDeque<HeldAck>,
@@ -1308,17 +1309,20 @@ impl Engine {
         // Most messages go to no shared group: one encoding then serves every peer with the
         // same plain flag.
         let mut cached: Option<bool> = None;
-        // Sent plain to several nodes: each learns the others (a relay skips them).
-        let also: Vec<u64> = if c.plan.plain.len() > 1 {
-            c.plan
-                .plain
-                .iter()
-                .filter_map(|&p| c.peers.get(usize::from(p)).and_then(Option::as_ref))
-                .map(|p| p.key)
-                .collect()
-        } else {
-            Vec::new()
-        };
+        // Sent plain to several nodes: each learns the others (a relay skips them). Kept
+        // between calls: no allocation per message.
+        let mut also = std::mem::take(&mut c.scratch_also);
+        also.clear();
+        if c.plan.plain.len() > 1 {
+            also.extend(
+                c.plan
+                    .plain
+                    .iter()
+                    .filter_map(|&p| c.peers.get(usize::from(p)).and_then(Option::as_ref))
+                    .map(|p| p.key),
+            );
+        }
+        let mut none = Vec::new();
         for &id in &targets {
             let plain = c.plan.plain.binary_search(&id).is_ok();
             let groups: Vec<&str> = c
@@ -1332,8 +1336,8 @@ impl Engine {
                 cached = groups.is_empty().then_some(plain);
                 item.clear();
                 let stamp = msg.retain.then(|| c.retained.routing.unwrap_or_default());
-                let also = if plain { also.clone() } else { Vec::new() };
-                encode_routed(msg, &props, now, plain, groups, stamp, also, &mut item);
+                let list = if plain { &mut also } else { &mut none };
+                encode_routed(msg, &props, now, plain, groups, stamp, list, &mut item);
             }
             let Some(peer) = c.peers.get_mut(usize::from(id)).and_then(Option::as_mut) else {
                 continue;
@@ -1357,6 +1361,7 @@ impl Engine {
             }
         }
         c.has_output |= !targets.is_empty();
+        c.scratch_also = also;
         c.scratch_item = item;
         c.scratch_props = props;
         let n = targets.len();
@@ -1492,24 +1497,24 @@ pub(super) fn encode_routed(
     plain: bool,
     groups: Vec<&str>,
     stamp: Option<Stamp>,
-    also: Vec<u64>,
+    also: &mut Vec<u64>,
     out: &mut Vec<u8>,
 ) {
-    batch::encode_message(
-        &WireMessage {
-            topic: &msg.topic,
-            payload: &msg.payload,
-            qos: msg.qos as u8,
-            retain: msg.retain,
-            expires_in_ms: msg.expires_at.map(|t| t.saturating_sub(now)),
-            props,
-            plain,
-            groups,
-            stamp,
-            also,
-        },
-        out,
-    );
+    let wire = WireMessage {
+        topic: &msg.topic,
+        payload: &msg.payload,
+        qos: msg.qos as u8,
+        retain: msg.retain,
+        expires_in_ms: msg.expires_at.map(|t| t.saturating_sub(now)),
+        props,
+        plain,
+        groups,
+        stamp,
+        // Borrowed for the encoding and given back: the caller's buffer is reused.
+        also: std::mem::take(also),
+    };
+    batch::encode_message(&wire, out);
+    *also = wire.also;
 }
 
 /// A forwarded message as this node routes it. Checked like a client's publish would be:

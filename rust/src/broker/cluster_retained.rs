@@ -177,7 +177,7 @@ impl Engine {
                 false,
                 Vec::new(),
                 stamp,
-                Vec::new(),
+                &mut Vec::new(),
                 &mut item,
             );
             items.push(item.clone());
