@@ -46,8 +46,8 @@ def string(s: str) -> bytes:
 
 
 def connect_packet(client_id: str) -> bytes:
-    # MQTT 3.1.1, clean session 0, keepalive 60.
-    return packet(0x10, string("MQTT") + b"\x04\x02" + (60).to_bytes(2, "big") + string(client_id))
+    # MQTT 3.1.1, clean session 0 (connect flags 0), keepalive 60.
+    return packet(0x10, string("MQTT") + b"\x04\x00" + (60).to_bytes(2, "big") + string(client_id))
 
 
 class Reader:
