@@ -281,16 +281,19 @@ impl Engine {
     /// Installs a session from its store records (as another node holds them) and keeps
     /// them in this node's store.
     fn install_session(&mut self, client_id: &str, records: &[(&[u8], &[u8])], now: u64) {
+        let bad = self.restore(records);
         if self.cfg.durable {
+            // Before what finish_restore writes (it may delete some of them again).
             for (key, value) in records {
-                self.store_ops.push((key.to_vec(), Some(value.to_vec())));
+                if !bad.iter().any(|(k, _)| k == key) {
+                    self.store_ops.push((key.to_vec(), Some(value.to_vec())));
+                }
             }
         }
-        let bad = self.restore(records);
         for (key, why) in bad {
             self.event(
                 "claim_bad_record",
-                Arc::from(""),
+                Arc::from(client_id),
                 format!("{}: {why}", String::from_utf8_lossy(&key)),
             );
         }
