@@ -200,6 +200,21 @@ class Engine:
     def cluster_loaded(self, peer: int, records: list[tuple[bytes, bytes | None]]) -> list[str]:
         """The records read for ``cluster_loads`` (None: missing); returns problems (batches
         lost: missing or damaged records)."""
+    def cluster_set_map(self, version: int, owners: list[list[int]], now_ms: int) -> None:
+        """The partition map: per partition its owners (primary first) as peer numbers, -1 for
+        this node. Sessions are copied to the other owners of their client id's partition."""
+    def has_copy_loads(self) -> bool:
+        """Whether session copies are to be read back from the store (``copy_loads``)."""
+    def copy_loads(self) -> list[tuple[str, list[bytes]]]:
+        """Per client id, the store keys of its copy to read back (to answer a claim, or to
+        take the session over from a dead home)."""
+    def copy_loaded(
+        self, client_id: str, records: list[tuple[bytes, bytes | None]], now_ms: int
+    ) -> list[str]:
+        """The records read for ``copy_loads`` (None: missing); returns problems."""
+    def replica_stats(self) -> dict[str, int]:
+        """Session copies: copies, ops_out, ops_in, degraded_acks, stale_refused, fenced,
+        claims_served, takeovers."""
     def cluster_stats(self) -> list[dict[str, Any]]:
         """Per peer: node_id, up, frames/messages/bytes in and out, resent, dropped,
         route_rows, unacked_bytes, retained_synced (its retained set has arrived since its

@@ -327,6 +327,7 @@ def test_bad_cluster_config_is_a_clear_error(tmp_path):
         ('node_id = "a"\nlisten = "0.0.0.0:7883"', "set advertise"),
         ('node_id = "a"\njoin = ["h:0"]', "[cluster] join"),
         ('node_id = "a"\nreplication_factor = 0', "replication_factor"),
+        ('node_id = "a"\nack_replicas = 3', "ack_replicas must be at most replication_factor"),
         ('node_id = "a"\ndiscovery = "carrier-pigeon"', "discovery"),
         ('node_id = "a"\ntls_certfile = "n.pem"', "set all of tls_certfile, tls_keyfile"),
         (

@@ -853,3 +853,100 @@ def test_racing_connects_with_one_client_id_on_three_nodes_leave_one(nodes):
     assert len(alive) == 1, [(c.connack, c.disconnect_rc) for c in clients]
     for c in clients:
         c.disconnect()
+
+
+def metric(node: Node, name: str) -> float:
+    with urllib.request.urlopen(f"http://{node.admin}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    values = [
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"{PREFIX}{name}")
+    ]
+    return sum(values)
+
+
+PREFIX = "fastbroker_"
+
+
+def test_sessions_of_a_killed_node_live_on_with_every_acknowledged_message_and_one_will(tmp_path):
+    """n1 holds three persistent sessions: "dev" offline with 300 QoS 1 messages queued
+    (published and acknowledged on n2), "lamp" connected with a will, "brief" offline with a
+    2 s expiry. n1 is SIGKILLed. dev resumes on n3 with every acknowledged message, in
+    order (from the copy on an owner of its partition); the lamp's will is published once,
+    by the owner that takes the session over after the failure timeout; brief is gone once
+    its expiry passed. n1 comes back: it drops the sessions that live elsewhere now, and no
+    second will is published."""
+    with Cluster(tmp_path) as cluster:
+        n1, n2, n3 = start_cluster(cluster, 3)
+        topic = unique("copy/cmd")
+        dev, lamp, brief = unique("dev"), unique("lamp"), unique("brief")
+        watcher = Client(endpoint(n3), client_id=unique("watch"), version=5)
+        watcher.connect()
+        watcher.subscribe(f"wills/{lamp}", qos=1)
+        wait_rows(n1, "n3", 1)
+        for cid, expiry in ((dev, 300), (brief, 2)):
+            c = Client(
+                endpoint(n1),
+                client_id=cid,
+                version=5,
+                clean=False,
+                props={"SessionExpiryInterval": expiry},
+            )
+            c.connect()
+            c.subscribe(topic, qos=1)
+            c.disconnect()
+        sock, _ = r.connect_client(
+            n1.ip,
+            n1.mqtt_port,
+            lamp,
+            clean=False,
+            will_topic=f"wills/{lamp}",
+            will_payload=b"gone",
+            will_qos=1,
+        )
+        wait_rows(n2, "n1", 1)
+        publisher = Client(endpoint(n2), client_id=unique("cpub"), version=5)
+        publisher.connect()
+        payloads = [f"{i}".encode() for i in range(300)]
+        infos = [publisher.publish(topic, p, qos=1, wait=False) for p in payloads]
+        for info in infos:
+            info.wait_for_publish(20)
+            assert info.is_published()
+        # Acknowledged means a copy on another owner: none of them had to wait for a
+        # missing one.
+        assert metric(n1, "cluster_degraded_acks_total") == 0
+        n1.kill()
+        killed = time.monotonic()
+
+        expiry = {"SessionExpiryInterval": 300}
+        sub = Client(endpoint(n3), client_id=dev, version=5, clean=False, props=expiry)
+        assert sub.connect().session_present
+        got = [m.payload for m in sub.expect(300, 20.0)]
+        assert got == payloads
+        publisher.publish(topic, b"after", qos=1)
+        assert [m.payload for m in sub.expect(1, 5.0)] == [b"after"]
+
+        # The lamp's will: once, after the failure timeout, from the owner that took it over.
+        assert [m.payload for m in watcher.expect(1, 15.0)] == [b"gone"]
+        assert time.monotonic() - killed >= 1.5
+        takeovers = sum(metric(n, "cluster_session_takeovers_total") for n in (n2, n3))
+        assert takeovers >= 1
+
+        # brief's 2 s expiry passed while its home was dead.
+        time.sleep(max(0.0, killed + 2.5 - time.monotonic()))
+        short = {"SessionExpiryInterval": 2}
+        late = Client(endpoint(n2), client_id=brief, version=5, clean=False, props=short)
+        assert not late.connect().session_present
+        late.disconnect()
+
+        # n1 comes back: the copies' owners tell it that its sessions live on elsewhere.
+        sock.close()
+        cluster.start(1, join=cluster.seeds(2))
+        wait_for(lambda: serving(n1), 20, "n1 serving", n1)
+        wait_for(lambda: metric(n1, "cluster_sessions_fenced_total") >= 1, 10, "fenced", n1)
+        time.sleep(2.5)  # past its deferred will
+        assert [m.payload for m in watcher.drain(0.5)] == []
+        publisher.publish(topic, b"back", qos=1)
+        assert [m.payload for m in sub.expect(1, 5.0)] == [b"back"]
+        assert sub.drain(0.5) == []
+        for c in (sub, publisher, watcher):
+            c.disconnect()

@@ -308,7 +308,7 @@ def _message(
 def cluster_batch_seeds() -> dict[str, bytes]:
     """Route rows (snapshot, add, remove, resync), messages of every QoS, retained (stamped),
     with expiry and properties, a retained set, an acknowledgement-only batch, and the items
-    of sessions across nodes (kick, claim, claim answer)."""
+    of sessions across nodes (kick, claim, claim answer, copies)."""
     snapshot = b"\x01" + (1).to_bytes(8, "little") + (2).to_bytes(4, "little")
     snapshot += _field(b"a/+/c") + _field(b"#")
     add = b"\x02" + (2).to_bytes(8, "little") + _field(b"x/y")
@@ -343,6 +343,28 @@ def cluster_batch_seeds() -> dict[str, bytes]:
                 + (1).to_bytes(4, "little")
                 + _field(b"s\x00\x03dev")
                 + _field(b"sealed?"),
+            ]
+        ),
+        # Copies of a session homed on the peer (protocol 4): a put and a delete of its
+        # records, a version check, a fence naming where the session lives, the peer's
+        # "installed" marker and its "safe" acknowledgement.
+        "copies": _batch(
+            [
+                b"\x0b"
+                + (4).to_bytes(8, "little")
+                + (9).to_bytes(8, "little") * 2
+                + _field(b"s\x00\x03dev")
+                + b"\x01"
+                + _field(b"sealed?"),
+                b"\x0b"
+                + (4).to_bytes(8, "little")
+                + (9).to_bytes(8, "little") * 2
+                + _field(b"m\x00\x03dev" + (1).to_bytes(8, "big"))
+                + b"\x00",
+                b"\x0c" + _field(b"dev") + (3).to_bytes(8, "little") * 2,
+                b"\x0d" + _field(b"sub") + (99).to_bytes(8, "little") * 2 + _field(b"peer"),
+                b"\x0e" + _field(b"dev"),
+                b"\x0f" + (1).to_bytes(8, "little") + (1).to_bytes(8, "little"),
             ]
         ),
     }

@@ -7,7 +7,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
-use crate::broker::{acl, Config, Engine, Permissions, Value, Verdict};
+use crate::broker::{acl, Config, Engine, Permissions, Value, Verdict, THIS_NODE};
 use crate::codec::QoS;
 
 /// Allow-only rules of what a connection may do; see `fastbroker_core.pyi`.
@@ -390,6 +390,60 @@ impl PyEngine {
             .map(|(k, v)| (k.as_slice(), v.as_deref()))
             .collect();
         self.inner.cluster_loaded(peer, &records)
+    }
+
+    /// The partition map: per partition its owners as peer numbers, -1 for this node.
+    fn cluster_set_map(&mut self, version: u64, owners: Vec<Vec<i32>>, now_ms: u64) {
+        let owners = owners
+            .into_iter()
+            .map(|o| {
+                o.into_iter()
+                    .map(|p| u16::try_from(p).unwrap_or(THIS_NODE))
+                    .collect()
+            })
+            .collect();
+        self.inner.cluster_set_map(version, owners, now_ms)
+    }
+
+    fn has_copy_loads(&self) -> bool {
+        self.inner.has_copy_loads()
+    }
+
+    fn copy_loads<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for (client, keys) in self.inner.copy_loads() {
+            let keys = PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k)))?;
+            list.append((&*client, keys))?;
+        }
+        Ok(list)
+    }
+
+    fn copy_loaded(
+        &mut self,
+        client_id: &str,
+        records: Vec<(Vec<u8>, Option<Vec<u8>>)>,
+        now_ms: u64,
+    ) -> Vec<String> {
+        let records: Vec<(&[u8], Option<&[u8]>)> = records
+            .iter()
+            .map(|(k, v)| (k.as_slice(), v.as_deref()))
+            .collect();
+        self.inner.copy_loaded(client_id, &records, now_ms)
+    }
+
+    /// Copies of sessions between nodes (broker::cluster_replicas).
+    fn replica_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.replica_stats();
+        let d = PyDict::new(py);
+        d.set_item("copies", s.copies)?;
+        d.set_item("ops_out", s.ops_out)?;
+        d.set_item("ops_in", s.ops_in)?;
+        d.set_item("degraded_acks", s.degraded_acks)?;
+        d.set_item("stale_refused", s.stale_refused)?;
+        d.set_item("fenced", s.fenced)?;
+        d.set_item("claims_served", s.claims_served)?;
+        d.set_item("takeovers", s.takeovers)?;
+        Ok(d)
     }
 
     fn cluster_feed(&mut self, peer: u16, data: &[u8], now_ms: u64) -> PyResult<()> {

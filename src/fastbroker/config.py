@@ -140,6 +140,10 @@ class ClusterConfig:
     # A down peer's queue (kept on disk) holds at most this much in memory; the rest is read
     # back from disk when the peer is back.
     outbox_memory_mb: int = 64
+    # Nodes that must hold a QoS 1/2 message for a persistent session (its home and copies
+    # on the partition's other owners) before the publish is acknowledged; at most
+    # replication_factor. With no owner reachable, one copy suffices (counted as degraded).
+    ack_replicas: int = 2
 
 
 @dataclass(frozen=True)
@@ -388,6 +392,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "tls_keyfile": nonempty_string,
         "tls_cafile": nonempty_string,
         "outbox_memory_mb": integer(1, 1_000_000),
+        "ack_replicas": integer(1, 16),
     },
     "admin": {
         "enabled": boolean,
@@ -528,6 +533,8 @@ def check_cluster(cluster: ClusterConfig, source: str) -> None:
         problem = "election_timeout_ms must be at least twice heartbeat_ms"
     elif cluster.failure_timeout_ms < 2 * cluster.election_timeout_ms:
         problem = "failure_timeout_ms must be at least twice election_timeout_ms"
+    elif cluster.ack_replicas > cluster.replication_factor:
+        problem = "ack_replicas must be at most replication_factor"
     elif cluster.secret and cluster.secret_file:
         problem = "set secret or secret_file, not both"
     elif len({bool(cluster.tls_certfile), bool(cluster.tls_keyfile), bool(cluster.tls_cafile)}) > 1:

@@ -406,6 +406,42 @@ class BrokerCollector:
             "Sessions this node handed over to another node",
             claims["sessions_out"],
         )
+        copies = dataplane.engine.replica_stats()
+        yield gauge(
+            "cluster_session_copies",
+            "Sessions of other nodes copied here (this node owns their partition)",
+            copies["copies"],
+        )
+        for name, key, doc in (
+            ("cluster_copy_ops_sent", "ops_out", "Session store operations copied to owners"),
+            ("cluster_copy_ops_received", "ops_in", "Session store operations copied here"),
+            (
+                "cluster_degraded_acks",
+                "degraded_acks",
+                "QoS 1/2 acknowledgements given with no copy on a reachable owner",
+            ),
+            (
+                "cluster_copies_refused",
+                "stale_refused",
+                "Copy operations refused: an older version of the session than the one held",
+            ),
+            (
+                "cluster_sessions_fenced",
+                "fenced",
+                "Sessions dropped here because a newer version lives on another node",
+            ),
+            (
+                "cluster_claims_served_from_copies",
+                "claims_served",
+                "Claims answered from a copy here (the session's home was down)",
+            ),
+            (
+                "cluster_session_takeovers",
+                "takeovers",
+                "Sessions of a dead node installed here from their copies",
+            ),
+        ):
+            yield counter(name, doc, copies[key])
 
 
 class BrokerMetrics:

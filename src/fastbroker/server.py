@@ -68,6 +68,9 @@ def engine_config(config: Config) -> dict[str, Any]:
         "max_connections": limits.max_connections,
         "max_publish_rate": limits.max_publish_rate,
         "cluster_outbox_memory": config.cluster.outbox_memory_mb << 20,
+        "cluster_ack_replicas": config.cluster.ack_replicas,
+        # A peer down for the failure timeout has its sessions taken over from their copies.
+        "cluster_takeover_ms": config.cluster.failure_timeout_ms if config.cluster.node_id else 0,
         # auth_required / intercept, only when [auth] is used.
         **engine_keys(config.auth),
     }

@@ -116,6 +116,10 @@ struct Peer {
     writable: bool,
     /// The inter-node protocol version of its link (items a version lacks are not sent).
     protocol: u16,
+    /// Its link has been up in this run (before that its protocol is not known).
+    seen_up: bool,
+    /// Since when its link is down (ms; meaningless while up).
+    down_since: u64,
     /// The filters this peer's sessions hold, and which version of them (in the peer's
     /// incarnation `rows_epoch`) is applied here.
     rows: HashSet<Arc<str>>,
@@ -134,6 +138,13 @@ struct Peer {
     /// The peer's incarnation and the last of its reliable batches applied here.
     recv_epoch: u64,
     recv_seq: u64,
+    /// Batches of the peer applied here whose acknowledgement waits for the copies they
+    /// made (their seq, and the (peer, batch) pairs): the peer is told only of what is
+    /// below the first of them.
+    recv_held: VecDeque<(u64, Vec<(PeerId, u64)>)>,
+    /// The last `Safe` told the peer, and the last it told us (of our incarnation).
+    safe_sent: u64,
+    safe_seq: u64,
     ack_due: bool,
     /// Connections not read because a publish of theirs waits in this peer's full queue.
     waiters: Vec<ConnId>,
@@ -154,6 +165,8 @@ impl Peer {
             up: false,
             writable: true,
             protocol: 2,
+            seen_up: false,
+            down_since: 0,
             rows: HashSet::new(),
             rows_epoch: 0,
             rows_version: 0,
@@ -167,6 +180,9 @@ impl Peer {
             acked_seq: 0,
             recv_epoch: 0,
             recv_seq: 0,
+            recv_held: VecDeque::new(),
+            safe_sent: 0,
+            safe_seq: 0,
             ack_due: false,
             waiters: Vec::new(),
             dead_records: Vec::new(),
@@ -180,6 +196,23 @@ impl Peer {
         self.up && self.writable
     }
 
+    /// The last of the peer's batches applied here whose copies are all acknowledged (a
+    /// `Safe` item tells the peer; its publishers' acknowledgements wait for it).
+    fn safe_to_peer(&self) -> u64 {
+        self.recv_held.front().map_or(self.recv_seq, |h| h.0 - 1)
+    }
+
+    /// The last of our batches the peer has applied and, from protocol 4 on, copied: what a
+    /// publisher's acknowledgement waits for. (Acknowledgements of batches never wait for
+    /// copies, so no two nodes can wait on each other.)
+    fn confirmed(&self) -> u64 {
+        if self.protocol >= 4 {
+            self.safe_seq
+        } else {
+            self.acked_seq
+        }
+    }
+
     /// Bytes waiting for this peer: not yet written, or written and not yet acknowledged.
     fn queued(&self) -> usize {
         self.unacked_bytes + self.waiting_qos0_bytes + self.items.len()
@@ -190,6 +223,11 @@ impl Peer {
     fn seal(&mut self, epoch: u64) {
         if self.items.is_empty() && !self.ack_due {
             return;
+        }
+        let safe = self.safe_to_peer();
+        if self.protocol >= 4 && self.seen_up && safe != self.safe_sent {
+            self.items.safe(self.recv_epoch, safe);
+            self.safe_sent = safe;
         }
         let seq = if self.reliable {
             self.next_seq += 1;
@@ -369,6 +407,10 @@ pub(super) struct Cluster {
     waits: Vec<(PeerId, u64)>,
     held_acks: VecDeque<HeldAck>,
     plan: Plan,
+    /// Whether the engine keeps a store (copies for down peers are stored).
+    pub(super) durable: bool,
+    /// This node's name.
+    pub(super) name: Arc<str>,
     /// Round-robin position of each shared subscription over the nodes that hold members.
     shared_cursors: HashMap<Box<str>, u32>,
     pub(super) retained: RetainedStamps,
@@ -401,6 +443,105 @@ impl Cluster {
             if peer.up {
                 f(peer);
             }
+        }
+    }
+
+    /// This incarnation (0: the cluster part is off).
+    pub(super) fn epoch_of(&self) -> u64 {
+        self.epoch
+    }
+
+    pub(super) fn peer_name(&self, id: PeerId) -> Option<Arc<str>> {
+        self.peer_ref(id).map(|p| p.name.clone())
+    }
+
+    pub(super) fn peer_id_of(&self, name: &str) -> Option<PeerId> {
+        self.peers
+            .iter()
+            .position(|p| p.as_ref().is_some_and(|p| &*p.name == name))
+            .map(|i| i as PeerId)
+    }
+
+    pub(super) fn peer_up(&self, id: PeerId) -> bool {
+        self.peer_ref(id).is_some_and(|p| p.up)
+    }
+
+    /// Peers whose link has been down for `ms` or more.
+    pub(super) fn down_longer_than(&self, ms: u64, now: u64) -> Vec<PeerId> {
+        self.peers
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| {
+                p.as_ref()
+                    .is_some_and(|p| !p.up && now.saturating_sub(p.down_since) >= ms)
+            })
+            .map(|(i, _)| i as PeerId)
+            .collect()
+    }
+
+    /// A copy operation for peer `id` (a protocol 4 peer, or one not heard from yet in this
+    /// run): `(link up, the batch it goes in)`, or None if it cannot take copies.
+    pub(super) fn queue_copy(
+        &mut self,
+        id: PeerId,
+        map: u64,
+        stamp: Stamp,
+        key: &[u8],
+        value: Option<&[u8]>,
+    ) -> Option<(bool, u64)> {
+        let durable = self.durable;
+        let peer = self.peer_mut(id)?;
+        if peer.seen_up && peer.protocol < 4 {
+            return None;
+        }
+        peer.items.copy(map, stamp, key, value);
+        peer.reliable = true;
+        let at = (peer.up, peer.next_seq);
+        if !peer.up && durable {
+            // Kept in the store with the next write, before the acknowledgement it allows.
+            self.down_items = true;
+            self.routed_to_down = true;
+        }
+        self.has_output = true;
+        Some(at)
+    }
+
+    /// Tells every peer that can hear it (protocol 4, or not heard from yet in this run:
+    /// kept for it while down) that `client_id` is installed here.
+    pub(super) fn queue_installed(&mut self, client_id: &str) {
+        let durable = self.durable;
+        let mut any = false;
+        let mut down = false;
+        for peer in self.peers.iter_mut().flatten() {
+            if peer.seen_up && peer.protocol < 4 {
+                continue;
+            }
+            peer.items.installed(client_id);
+            peer.reliable = true;
+            any = true;
+            down |= !peer.up;
+        }
+        self.has_output |= any;
+        self.down_items |= down && durable;
+    }
+
+    pub(super) fn peer_protocol(&self, id: PeerId) -> u16 {
+        self.peer_ref(id).map_or(0, |p| p.protocol)
+    }
+
+    pub(super) fn queue_copy_check(&mut self, id: PeerId, client_id: &str, stamp: Stamp) {
+        if let Some(peer) = self.peer_mut(id).filter(|p| p.protocol >= 4) {
+            peer.items.copy_check(client_id, stamp);
+            peer.reliable = true;
+            self.has_output = true;
+        }
+    }
+
+    pub(super) fn queue_fence(&mut self, id: PeerId, client_id: &str, stamp: Stamp, home: &str) {
+        if let Some(peer) = self.peer_mut(id).filter(|p| p.protocol >= 4) {
+            peer.items.fence(client_id, stamp, home);
+            peer.reliable = true;
+            self.has_output = true;
         }
     }
 
@@ -678,6 +819,8 @@ impl Engine {
     /// `node` is the node's name, the same on every start (it orders retained writes).
     pub fn cluster_start(&mut self, epoch: u64, node: &str) {
         self.cluster.epoch = epoch.max(1);
+        self.cluster.durable = self.cfg.durable;
+        self.cluster.name = Arc::from(node);
         self.cluster.start_wall = self.wall(self.last_now);
         self.retained_stamping(node);
     }
@@ -768,10 +911,16 @@ impl Engine {
         let now = self.last_now;
         let c = &mut self.cluster;
         let Some(peer) = c.peer_mut(id) else { return };
+        if peer.up && !up {
+            peer.down_since = now;
+        }
         peer.up = up;
         peer.writable = true;
         peer.stats.retained_synced = false;
         if up {
+            peer.seen_up = true;
+            // Told again on the new link.
+            peer.safe_sent = 0;
             for o in &mut peer.out {
                 if o.sent {
                     o.sent = false;
@@ -780,6 +929,7 @@ impl Engine {
             }
             c.queue_snapshot(id);
             self.queue_retained_set(id, now);
+            self.queue_copy_checks(id);
         } else {
             let c = &mut self.cluster;
             let peer = c.peer_mut(id).expect("checked");
@@ -846,8 +996,10 @@ impl Engine {
         }
     }
 
+    /// Whether `drain_cluster` has frames to give, or session copies wait to be read back
+    /// (the data plane reads them when it sends: `copy_loads`).
     pub fn has_cluster_output(&self) -> bool {
-        self.cluster.has_output
+        self.cluster.has_output || self.has_copy_loads()
     }
 
     /// Calls `f(peer, frame)` with every frame due to a peer whose link can take it, in
@@ -1120,7 +1272,19 @@ impl Engine {
                         }
                     }
                 }
-                Item::Resync | Item::RetainedSent | Item::Kick { .. } | Item::Claim { .. } => {}
+                Item::Copy { key, .. } => {
+                    if records::session_client(key).is_none() {
+                        return Err("copy of a record that is not a session's".into());
+                    }
+                }
+                Item::Resync
+                | Item::RetainedSent
+                | Item::Kick { .. }
+                | Item::Claim { .. }
+                | Item::CopyCheck { .. }
+                | Item::Fence { .. }
+                | Item::Installed { .. }
+                | Item::Safe { .. } => {}
             }
         }
         let h = batch.header;
@@ -1146,7 +1310,7 @@ impl Engine {
             for key in done {
                 self.delete(key);
             }
-            if newer && !self.cluster.held_acks.is_empty() {
+            if newer {
                 self.release_acks();
             }
             if waiting {
@@ -1160,6 +1324,8 @@ impl Engine {
                 // The peer restarted: its numbering starts again.
                 peer.recv_epoch = h.epoch;
                 peer.recv_seq = 0;
+                peer.recv_held.clear();
+                peer.safe_sent = 0;
             }
             peer.ack_due = true;
             c.has_output = true;
@@ -1170,6 +1336,10 @@ impl Engine {
             }
             peer.recv_seq = h.seq;
         }
+        // Copies this batch makes (messages stored for persistent sessions) hold its
+        // acknowledgement.
+        self.replicas.start();
+        let c = &mut self.cluster;
         let peer = c.peer_mut(id).expect("checked");
         peer.stats.messages_in += messages.len() as u64;
         let mut messages = messages.into_iter();
@@ -1241,7 +1411,39 @@ impl Engine {
                     };
                     self.route_local(Arc::new(msg), now, scope);
                 }
+                Item::Copy {
+                    map,
+                    stamp,
+                    key,
+                    value,
+                } => self.copy_received(id, map, stamp, key, value, now),
+                Item::CopyCheck { client_id, stamp } => {
+                    self.copy_check_received(id, client_id, stamp);
+                }
+                Item::Fence {
+                    client_id,
+                    stamp,
+                    home,
+                } => self.fence_received(id, client_id, stamp, home, now),
+                Item::Installed { client_id } => self.installed_received(id, client_id),
+                Item::Safe { epoch, seq } => {
+                    let c = &mut self.cluster;
+                    let own = c.epoch;
+                    let peer = c.peer_mut(id).expect("checked");
+                    if epoch == own && seq > peer.safe_seq {
+                        peer.safe_seq = seq;
+                        self.release_acks();
+                    }
+                }
             }
+        }
+        let waits = std::mem::take(&mut self.replicas.waits);
+        if h.seq != 0 && !waits.is_empty() {
+            let peer = self.cluster.peer_mut(id).expect("checked");
+            peer.recv_held.push_back((h.seq, waits));
+        }
+        if std::mem::take(&mut self.replicas.degraded) {
+            self.replicas_degraded_ack();
         }
         Ok(())
     }
@@ -1373,6 +1575,13 @@ impl Engine {
     /// batches to peers that are up, holds it until they have it: acknowledged means kept
     /// on every node that must deliver it (and a retained message readable there).
     pub(super) fn ack_publish(&mut self, id: ConnId, packet: Packet) {
+        if std::mem::take(&mut self.replicas.degraded) {
+            self.replicas_degraded_ack();
+        }
+        if !self.replicas.waits.is_empty() {
+            let copies = std::mem::take(&mut self.replicas.waits);
+            self.cluster.waits.extend(copies);
+        }
         if self.cluster.waits.is_empty() {
             self.send(id, &packet);
             return;
@@ -1400,7 +1609,7 @@ impl Engine {
                 peers
                     .get(usize::from(p))
                     .and_then(Option::as_ref)
-                    .is_some_and(|peer| peer.up && peer.acked_seq < seq)
+                    .is_some_and(|peer| peer.up && peer.confirmed() < seq)
             });
             if held.waits.is_empty() {
                 ready.push((
@@ -1418,6 +1627,36 @@ impl Engine {
                 self.send(conn, &packet);
             }
         }
+        self.release_held_batches();
+    }
+
+    /// Peers' batches whose copies are now acknowledged (or whose copy peers went down) may
+    /// be acknowledged to them.
+    fn release_held_batches(&mut self) {
+        let c = &mut self.cluster;
+        if !c.peers.iter().flatten().any(|p| !p.recv_held.is_empty()) {
+            return;
+        }
+        let acked: Vec<Option<u64>> = c
+            .peers
+            .iter()
+            .map(|p| p.as_ref().filter(|p| p.up).map(|p| p.acked_seq))
+            .collect();
+        let mut any = false;
+        for peer in c.peers.iter_mut().flatten() {
+            let before = peer.safe_to_peer();
+            for (_, waits) in peer.recv_held.iter_mut() {
+                waits.retain(|&(p, seq)| acked[usize::from(p)].is_some_and(|a| a < seq));
+            }
+            while peer.recv_held.front().is_some_and(|h| h.1.is_empty()) {
+                peer.recv_held.pop_front();
+            }
+            if peer.safe_to_peer() != before {
+                peer.ack_due = true;
+                any = true;
+            }
+        }
+        c.has_output |= any;
     }
 
     /// Adds `sid`'s subscription to the index; a filter no local session held before

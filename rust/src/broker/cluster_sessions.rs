@@ -20,13 +20,15 @@
 //! - **The relay.** Route rows move with the session, and other nodes learn of it at
 //!   different moments. For `RELAY_MS` the old home keeps the session's subscriptions and
 //!   sends what still matches them to the new home (`SessionMessage`), except a message that
-//!   came from the new home or that the new home also got for its own plain subscriptions
-//!   (a forwarded message lists the other nodes it went to): each message reaches the moved
-//!   session once, whatever order the row changes arrive in.
+//!   the new home routed after it installed the session (its `Installed` marker comes first
+//!   on the link) or that it also got for its own plain subscriptions (a forwarded message
+//!   lists the other nodes it went to): each message reaches the moved session once,
+//!   whatever order the row changes arrive in.
 //!
-//! Not yet (issue 16): claims go to every reachable node, not through the partition's
-//! primary; a node that cannot reach the new home for longer than `RELAY_MS` misses it with
-//! what it publishes meanwhile; copies on replicas.
+//! Copies of sessions on the partition's owners: `cluster_replicas`. Not yet (issue 16):
+//! claims go to every reachable node, not through the partition's primary; a node that
+//! cannot reach the new home for longer than `RELAY_MS` misses it with what it publishes
+//! meanwhile.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -135,7 +137,10 @@ impl Engine {
         }
         let wall = self.wall(now);
         let stamp = self.cluster.retained.next(wall);
-        let discard = pending.connect.clean_start || self.by_client.contains_key(&client_id);
+        // A session here discards the others, unless it is one restored at start-up that
+        // another node may have taken over meanwhile: then the newest comes here.
+        let here = self.by_client.get(&client_id).copied();
+        let discard = pending.connect.clean_start || here.is_some_and(|sid| !self.unconfirmed(sid));
         let peers = self.cluster.claim_peers();
         for &peer in &peers {
             self.cluster.queue_claim(peer, &client_id, stamp, discard);
@@ -196,6 +201,10 @@ impl Engine {
     ) {
         let mut records = Vec::new();
         let sid = self.by_client.get(client_id).copied();
+        if sid.is_none() && self.claim_from_copy(peer, client_id, stamp, discard) {
+            // Its home is down: answered from the copy here once read back.
+            return;
+        }
         if sid.is_some_and(|sid| self.claims.won.get(&sid).is_some_and(|&w| w > stamp)) {
             // Made by a newer claim than this one: it stays.
             self.cluster.queue_claim_answer(peer, client_id, stamp, &[]);
@@ -217,7 +226,7 @@ impl Engine {
                 if discard {
                     self.end_session(sid, now);
                 } else {
-                    records = self.session_records(sid, now);
+                    records = self.session_records(sid, true, now);
                     self.hand_over(sid, peer, now);
                     self.claims.stats.sessions_out += 1;
                 }
@@ -246,9 +255,16 @@ impl Engine {
             let ours = self.claims.pending.get(client_id);
             match ours {
                 Some(claim) if claim.stamp == stamp => {
+                    // An older version restored here gives way, with what waited for it.
+                    let held = self.replace_unconfirmed(client_id, peer, now);
                     // Installed now: the CONNECT finds it when every answer is in.
                     if !self.by_client.contains_key(client_id) {
                         self.install_session(client_id, records, now);
+                    }
+                    if let Some(&sid) = self.by_client.get(client_id) {
+                        for h in held {
+                            self.deliver(sid, &h.msg, h.qos, h.retain, h.sub_ids, now);
+                        }
                     }
                 }
                 _ if !self.by_client.contains_key(client_id) => {
@@ -280,7 +296,12 @@ impl Engine {
 
     /// Installs a session from its store records (as another node holds them) and keeps
     /// them in this node's store.
-    fn install_session(&mut self, client_id: &str, records: &[(&[u8], &[u8])], now: u64) {
+    pub(super) fn install_session(
+        &mut self,
+        client_id: &str,
+        records: &[(&[u8], &[u8])],
+        now: u64,
+    ) {
         let bad = self.restore(records);
         if self.cfg.durable {
             // Before what finish_restore writes (it may delete some of them again).
@@ -299,6 +320,10 @@ impl Engine {
         }
         let summary = self.finish_restore(now);
         self.claims.stats.sessions_in += summary.sessions as u64;
+        if let Some(&sid) = self.by_client.get(client_id) {
+            // A new version here, copied to the owners.
+            self.installed(sid, now);
+        }
         if !self.cfg.durable {
             // finish_restore marks what it restores as stored; here nothing is.
             if let Some(&sid) = self.by_client.get(client_id) {
@@ -414,6 +439,14 @@ impl Engine {
         }
     }
 
+    /// Whether a session of `client_id` relays here.
+    pub(super) fn relays_client(&self, client_id: &str) -> bool {
+        self.claims.relays.keys().any(|&sid| {
+            self.session(sid)
+                .is_some_and(|s| &*s.client_id == client_id)
+        })
+    }
+
     pub fn claim_stats(&self) -> ClaimStats {
         self.claims.stats
     }
@@ -421,7 +454,7 @@ impl Engine {
     /// Session `sid` went to `peer` (its records in the batch being written): its records
     /// here go, its state is empty, its client id is free here, and its subscriptions relay
     /// to `peer` for `RELAY_MS`. No will: it lives on there.
-    fn hand_over(&mut self, sid: SessionId, peer: PeerId, now: u64) {
+    pub(super) fn hand_over(&mut self, sid: SessionId, peer: PeerId, now: u64) {
         self.unpersist_session(sid);
         let session = self.session_mut(sid).expect("caller checked");
         session.queue.clear();
@@ -441,6 +474,9 @@ impl Engine {
     /// if no other session here holds their filters).
     fn end_relay(&mut self, sid: SessionId) {
         if self.claims.relays.contains_key(&sid) {
+            if let Some(client) = self.session(sid).map(|s| s.client_id.clone()) {
+                self.replicas.forget_installed(&client);
+            }
             self.remove_session(sid);
         }
     }
@@ -482,7 +518,9 @@ impl Engine {
         }
         let skip = match scope {
             Scope::Forwarded { from, also, .. } => {
-                from == peer || (plain && also.contains(&self.cluster.peer_key(peer)))
+                // What the new home routed before it had the session goes to it.
+                (from == peer && self.routes_itself(peer, &client_id))
+                    || (plain && also.contains(&self.cluster.peer_key(peer)))
             }
             Scope::Origin => plain && self.cluster.plans_plain(peer),
         };

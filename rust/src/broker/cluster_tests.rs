@@ -3,6 +3,7 @@
 
 use super::durable_tests::{durable, restart, restart_with, sync, Disk};
 use super::tests::{publishes, Harness};
+use super::Config;
 use crate::cluster::batch::{self, Stamp, WireMessage};
 use crate::cluster::{FrameDecoder, Value};
 use crate::codec::{Packet, Protocol, QoS};
@@ -13,6 +14,8 @@ struct Nodes {
     peer: Vec<Vec<u16>>,
     /// Links that are cut: frames between these nodes are lost.
     cut: Vec<(usize, usize)>,
+    /// Each node's disk, if its store operations are written before it sends.
+    disks: Option<Vec<Disk>>,
 }
 
 impl Nodes {
@@ -35,6 +38,7 @@ impl Nodes {
             h,
             peer,
             cut: Vec::new(),
+            disks: None,
         };
         for i in 0..n {
             for j in 0..n {
@@ -58,6 +62,9 @@ impl Nodes {
             let mut moved = false;
             for i in 0..self.h.len() {
                 // As the connection layer does: only when the engine says there is output.
+                if let Some(disks) = self.disks.as_mut() {
+                    sync(&mut self.h[i], &mut disks[i]);
+                }
                 if !self.h[i].e.has_cluster_output() {
                     continue;
                 }
@@ -1120,4 +1127,465 @@ fn a_session_that_comes_straight_back_gets_what_its_old_relay_caught_meanwhile()
     assert!(connack(&got).session_present, "{got:?}");
     assert_eq!(payloads(&got[1..]), ["x"]);
     assert!(n.h[2].recv().is_empty());
+}
+
+// ---- copies of sessions on their partition's owners (broker::cluster_replicas) ----
+
+/// Durable nodes speaking protocol 4, one partition owned by nodes `owners` (primary
+/// first), each with its own disk; `takeover_ms` as the engines' takeover time.
+fn copying_nodes(n: usize, owners: &[usize], takeover_ms: u64) -> (Nodes, Vec<Disk>) {
+    let cfg = Config {
+        cluster_takeover_ms: takeover_ms,
+        ..durable()
+    };
+    let h = (0..n)
+        .map(|_| {
+            let mut h = Harness::with(cfg.clone());
+            h.e.set_wall_clock(h.now, h.now);
+            h
+        })
+        .collect();
+    let mut nodes = Nodes::with(h);
+    protocol(&mut nodes, 4);
+    for i in 0..n {
+        set_map(&mut nodes, i, owners, 1);
+    }
+    nodes.settle();
+    (nodes, (0..n).map(|_| Disk::new()).collect())
+}
+
+/// A CONNECT on node `i` that claims its client id: the CONNACK once the answers are in.
+fn connect_on(n: &mut Nodes, i: usize, c: crate::codec::Connect) -> crate::broker::ConnId {
+    let id = n.h[i].open_connect(c);
+    n.settle();
+    let got = n.h[i].recv_one(id);
+    assert!(matches!(got.first(), Some(Packet::ConnAck(_))), "{got:?}");
+    id
+}
+
+fn protocol(n: &mut Nodes, version: u16) {
+    for i in 0..n.h.len() {
+        for j in 0..n.h.len() {
+            if i != j {
+                let p = n.peer[i][j];
+                n.h[i].e.cluster_set_protocol(p, version);
+            }
+        }
+    }
+}
+
+fn set_map(n: &mut Nodes, i: usize, owners: &[usize], version: u64) {
+    let list = owners
+        .iter()
+        .map(|&o| {
+            if o == i {
+                super::THIS_NODE
+            } else {
+                n.peer[i][o]
+            }
+        })
+        .collect();
+    let now = n.h[i].now;
+    n.h[i].e.cluster_set_map(version, vec![list], now);
+}
+
+/// `settle`, each node writing its store operations to its disk before it sends (as the
+/// server's flush does).
+fn settle_and_sync(n: &mut Nodes, disks: &mut [Disk]) {
+    n.disks = Some(disks.to_vec());
+    n.settle();
+    let synced = n.disks.take().expect("set above");
+    disks.clone_from_slice(&synced);
+}
+
+/// Does what the data plane does with `copy_loads`: reads the copies from `disk`.
+fn serve_copy_loads(h: &mut Harness, disk: &Disk) -> usize {
+    let loads = h.e.copy_loads();
+    for (client, keys) in &loads {
+        let recs: Vec<(&[u8], Option<&[u8]>)> = keys
+            .iter()
+            .map(|k| (k.as_slice(), disk.get(k).map(Vec::as_slice)))
+            .collect();
+        let now = h.now;
+        assert_eq!(h.e.copy_loaded(client, &recs, now), Vec::<String>::new());
+    }
+    loads.len()
+}
+
+fn copy_count(disk: &Disk) -> usize {
+    disk.keys().filter(|k| k[0] == b'c').count()
+}
+
+#[test]
+fn a_qos1_message_for_a_persistent_session_is_acknowledged_once_an_owner_holds_its_copy() {
+    // Node 0 is the home of "dev", node 1 the other owner of its partition, node 2 publishes.
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
+    let dev = connect_on(
+        &mut n,
+        0,
+        super::tests::connect("dev", Protocol::V311, false),
+    );
+    n.h[0].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    let now = n.h[0].now;
+    n.h[0].e.closed(dev, now);
+    settle_and_sync(&mut n, &mut disks);
+    // The session record is copied to node 1 (with its meta record), nowhere else.
+    assert_eq!(copy_count(&disks[1]), 2);
+    assert_eq!(copy_count(&disks[2]), 0);
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    // Node 1 receives nothing from node 0 for now (its link is up but silent).
+    n.cut.push((0, 1));
+    n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    n.settle();
+    // Node 0 stored it, but its copy is not acknowledged: node 2 holds the PUBACK.
+    assert!(n.h[2].recv_one(publisher).is_empty());
+    // The link is back: the copy goes again, and the PUBACK follows.
+    n.cut.clear();
+    n.cut_link(0, 1);
+    n.heal_link(0, 1);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(matches!(
+        n.h[2].recv_one(publisher)[..],
+        [Packet::PubAck(_)]
+    ));
+    assert_eq!(copy_count(&disks[1]), 3);
+    // Without an owner to copy to (node 1 down), the acknowledgement is not held: it is
+    // degraded, and the copy waits in node 0's store for node 1.
+    n.cut_link(0, 1);
+    n.h[2].publish(publisher, "cmd/dev", "m2", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(matches!(
+        n.h[2].recv_one(publisher)[..],
+        [Packet::PubAck(_)]
+    ));
+    assert!(n.h[0].e.replica_stats().degraded_acks >= 1);
+    assert!(
+        disks[0].keys().any(|k| k[0] == b'o'),
+        "{:?}",
+        disks[0].keys()
+    );
+    n.heal_link(0, 1);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(copy_count(&disks[1]), 4);
+    assert_eq!(n.h[1].e.replica_stats().copies, 1);
+    // Delivered and acknowledged by the client: the copies go too.
+    let back = n.h[0].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv_one(back);
+    assert_eq!(payloads(&got[1..]), ["m1", "m2"]);
+    let ids: Vec<u16> = publishes(&got).iter().map(|p| p.pkid).collect();
+    for pkid in ids {
+        let ack = crate::codec::Ack {
+            pkid,
+            reason_code: 0,
+            properties: None,
+        };
+        n.h[0].send(back, Packet::PubAck(ack));
+    }
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(copy_count(&disks[1]), 2, "{:?}", disks[1].keys());
+}
+
+#[test]
+fn a_client_whose_home_died_resumes_on_another_node_from_the_copy() {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
+    let dev = connect_on(
+        &mut n,
+        0,
+        super::tests::connect("dev", Protocol::V311, false),
+    );
+    n.h[0].subscribe(dev, "cmd/#", QoS::ExactlyOnce);
+    let now = n.h[0].now;
+    n.h[0].e.closed(dev, now);
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    n.h[2].publish(publisher, "cmd/dev", "m2", QoS::ExactlyOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[2].recv_one(publisher).len(), 2);
+    // Node 0 dies (SIGKILL: nothing more leaves it).
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    // The client reconnects to node 2: node 1 answers the claim from its copy.
+    let back = n.h[2].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    settle_and_sync(&mut n, &mut disks);
+    assert!(n.h[2].recv_one(back).is_empty());
+    assert_eq!(serve_copy_loads(&mut n.h[1], &disks[1]), 1);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[2].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), ["m1", "m2"]);
+    assert_eq!(n.h[1].e.replica_stats().claims_served, 1);
+    // Node 2 is the home now: node 1 holds a copy of its version (node 0's is gone).
+    assert_eq!(n.h[1].e.replica_stats().copies, 1);
+    // Node 0 comes back from its disk: node 1 tells it that a newer version lives
+    // elsewhere, and node 0 drops its own (no second session, no second delivery).
+    let now = n.h[0].now + 1_000;
+    let (mut h0, summary) = restart_with(&disks[0], now, durable());
+    assert_eq!(summary.sessions, 1);
+    h0.e.cluster_start(555, "node0");
+    for j in 1..3 {
+        n.peer[0][j] = h0.e.cluster_add_peer(&format!("node{j}"));
+    }
+    n.h[0] = h0;
+    protocol(&mut n, 4);
+    set_map(&mut n, 0, &[0, 1], 1);
+    n.heal_link(0, 1);
+    n.heal_link(0, 2);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[0].e.session_count(), 0);
+    assert_eq!(n.h[0].e.replica_stats().fenced, 1);
+    n.h[2].publish(publisher, "cmd/dev", "m3", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[2].recv_one(back)), ["m3"]);
+}
+
+#[test]
+fn a_dead_homes_session_is_taken_over_once_and_its_will_published_once() {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 5_000);
+    let mut c = persistent_v5("lamp");
+    c.will = Some(crate::codec::LastWill {
+        topic: "wills/lamp".into(),
+        payload: bytes::Bytes::from_static(b"gone"),
+        qos: QoS::AtLeastOnce,
+        retain: false,
+        properties: Default::default(),
+    });
+    connect_on(&mut n, 0, c);
+    let watcher = connect_on(
+        &mut n,
+        2,
+        super::tests::connect("watcher", Protocol::V5, true),
+    );
+    n.h[2].subscribe(watcher, "wills/#", QoS::AtLeastOnce);
+    settle_and_sync(&mut n, &mut disks);
+    // Node 0 dies with the lamp connected.
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    // Before the takeover time nothing happens; after it node 1 (the owner) installs the
+    // session from its copy: the will of the connection that died is published there.
+    n.h[1].now += 4_000;
+    let now = n.h[1].now;
+    n.h[1].e.tick(now);
+    assert!(!n.h[1].e.has_copy_loads());
+    n.h[1].now += 1_000;
+    let now = n.h[1].now;
+    n.h[1].e.tick(now);
+    assert_eq!(serve_copy_loads(&mut n.h[1], &disks[1]), 1);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["gone"]);
+    assert_eq!(n.h[1].e.replica_stats().takeovers, 1);
+    assert_eq!(n.h[1].e.session_count(), 1);
+    // Another tick takes nothing over again.
+    n.h[1].now += 10_000;
+    let now = n.h[1].now;
+    n.h[1].e.tick(now);
+    assert!(!n.h[1].e.has_copy_loads());
+    // Node 0 comes back: its own will for the lamp waits for the takeover time, and the
+    // fence from node 1 drops the session before it fires.
+    let now = n.h[0].now + 20_000;
+    let cfg = Config {
+        cluster_takeover_ms: 5_000,
+        ..durable()
+    };
+    let (mut h0, summary) = restart_with(&disks[0], now, cfg);
+    assert_eq!(summary.sessions, 1);
+    h0.e.cluster_start(556, "node0");
+    for j in 1..3 {
+        n.peer[0][j] = h0.e.cluster_add_peer(&format!("node{j}"));
+    }
+    n.h[0] = h0;
+    protocol(&mut n, 4);
+    set_map(&mut n, 0, &[0, 1], 1);
+    n.heal_link(0, 1);
+    n.heal_link(0, 2);
+    settle_and_sync(&mut n, &mut disks);
+    n.h[0].now += 6_000;
+    let now = n.h[0].now;
+    n.h[0].e.tick(now);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    assert_eq!(n.h[0].e.session_count(), 0);
+    // The lamp reconnects on node 2: the session node 1 took over moves there.
+    let back = n.h[2].open_connect(persistent_v5("lamp"));
+    settle_and_sync(&mut n, &mut disks);
+    assert!(connack(&n.h[2].recv_one(back)).session_present);
+}
+
+#[test]
+fn a_copy_of_an_older_version_is_refused_and_its_sender_fenced() {
+    let (mut n, mut disks) = copying_nodes(2, &[0, 1], 0);
+    let key = crate::store::records::session_key("x");
+    // A live session "x" on node 1 ...
+    let x = connect_on(&mut n, 1, super::tests::connect("x", Protocol::V311, false));
+    n.h[1].subscribe(x, "a", QoS::AtLeastOnce);
+    settle_and_sync(&mut n, &mut disks);
+    // ... and node 0 sends a copy of an older version of it: refused, node 0 told.
+    let mut w = batch::ItemWriter::default();
+    w.copy(1, Stamp { clock: 1, node: 1 }, &key, None);
+    let frame = w.finish(batch::Header::default());
+    let p = n.peer[1][0];
+    let now = n.h[1].now;
+    n.h[1].e.cluster_feed(p, &body_of(&frame), now).unwrap();
+    assert_eq!(n.h[1].e.replica_stats().stale_refused, 1);
+    assert_eq!(n.h[1].e.session_count(), 1);
+    // A copy of a record that is not a session's is a broken peer.
+    let mut w = batch::ItemWriter::default();
+    w.copy(1, Stamp::default(), b"r/topic", Some(b"v"));
+    let frame = w.finish(batch::Header::default());
+    assert!(n.h[1].e.cluster_feed(p, &body_of(&frame), now).is_err());
+}
+
+#[test]
+fn a_message_published_on_the_new_home_during_its_claim_reaches_the_moved_session() {
+    let (mut n, mut disks) = copying_nodes(2, &[0, 1], 0);
+    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
+    n.h[0].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    let now = n.h[0].now;
+    n.h[0].e.closed(dev, now);
+    let publisher = connect_on(&mut n, 1, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    // The client comes to node 1, and node 1 publishes to it before the session arrived:
+    // node 1 cannot deliver it itself, node 0 hands the session over before it gets it.
+    let back = n.h[1].open_connect(persistent_v5("dev"));
+    n.h[1].publish(publisher, "cmd/dev", "early", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[1].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), ["early"]);
+    // Once node 1 has the session, node 0 relays nothing node 1 routed itself.
+    n.h[1].publish(publisher, "cmd/dev", "late", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["late"]);
+    assert_eq!(n.h[0].e.claim_stats().relayed, 1);
+}
+
+#[test]
+fn messages_kept_for_a_dead_home_reach_the_session_where_it_lives_now_when_that_node_returns() {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 5_000);
+    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
+    n.h[0].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    let now = n.h[0].now;
+    n.h[0].e.closed(dev, now);
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    // Node 0 dies; node 2 acknowledges "w1" at once, keeping it for node 0.
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    n.h[2].publish(publisher, "cmd/dev", "w1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(matches!(
+        n.h[2].recv_one(publisher)[..],
+        [Packet::PubAck(_)]
+    ));
+    // The client resumes on node 2 from node 1's copy; "w2" reaches it there at once.
+    let back = n.h[2].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    serve_copy_loads(&mut n.h[1], &disks[1]);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(connack(&n.h[2].recv_one(back)).session_present);
+    n.h[2].publish(publisher, "cmd/dev", "w2", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[2].recv_one(back)), ["w2"]);
+    // Node 0 comes back and gets both from node 2's store: its restored session holds them
+    // until the owners answer, then gives way to node 2's, sending on only "w1" (node 2 had
+    // routed "w2" to the session itself).
+    let now = n.h[0].now + 1_000;
+    let cfg = Config {
+        cluster_takeover_ms: 5_000,
+        ..durable()
+    };
+    let (mut h0, _) = restart_with(&disks[0], now, cfg);
+    h0.e.cluster_start(557, "node0");
+    for j in 1..3 {
+        n.peer[0][j] = h0.e.cluster_add_peer(&format!("node{j}"));
+    }
+    n.h[0] = h0;
+    protocol(&mut n, 4);
+    set_map(&mut n, 0, &[0, 1], 1);
+    n.heal_link(0, 1);
+    n.heal_link(0, 2);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[2].recv_one(back)), ["w1"]);
+    assert_eq!(n.h[0].e.replica_stats().fenced, 1);
+    // Node 0 is an owner of the partition: it holds node 2's copy now.
+    assert_eq!(n.h[0].e.replica_stats().copies, 1);
+    n.h[2].publish(publisher, "cmd/dev", "w3", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[2].recv_one(back)), ["w3"]);
+}
+
+#[test]
+fn a_restored_session_nobody_took_over_is_confirmed_and_gets_what_waited() {
+    let (mut n, mut disks) = copying_nodes(2, &[0, 1], 5_000);
+    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
+    n.h[0].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    let now = n.h[0].now;
+    n.h[0].e.closed(dev, now);
+    let publisher = connect_on(&mut n, 1, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    n.cut_link(0, 1);
+    n.h[1].publish(publisher, "cmd/dev", "kept", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    // Node 0 returns before anyone took the session over: node 1 confirms its version.
+    let now = n.h[0].now + 1_000;
+    let cfg = Config {
+        cluster_takeover_ms: 5_000,
+        ..durable()
+    };
+    let (mut h0, _) = restart_with(&disks[0], now, cfg);
+    h0.e.cluster_start(558, "node0");
+    n.peer[0][1] = h0.e.cluster_add_peer("node1");
+    n.h[0] = h0;
+    protocol(&mut n, 4);
+    set_map(&mut n, 0, &[0, 1], 1);
+    n.heal_link(0, 1);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[0].e.replica_stats().fenced, 0);
+    let back = n.h[0].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv_one(back);
+    assert!(connack(&got).session_present);
+    assert_eq!(payloads(&got[1..]), ["kept"]);
+}
+
+#[test]
+fn two_owners_copying_to_each_other_never_wait_on_each_other() {
+    // Nodes 0 and 1 own the partition: each copies to the other, and a session moving
+    // between them makes both hold a batch for the other's copies. (Acknowledgements of
+    // batches held for copies would wait on each other for good.)
+    let (mut n, mut disks) = copying_nodes(2, &[0, 1], 0);
+    let publisher = connect_on(&mut n, 1, super::tests::connect("pub", Protocol::V5, true));
+    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
+    n.h[0].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    settle_and_sync(&mut n, &mut disks);
+    for hop in 0..4 {
+        let to = if hop % 2 == 0 { 1 } else { 0 };
+        // Taken over on the other node while connected.
+        let back = n.h[to].open_connect(persistent_v5("dev"));
+        settle_and_sync(&mut n, &mut disks);
+        assert!(connack(&n.h[to].recv_one(back)).session_present);
+        n.h[1].publish(
+            publisher,
+            "cmd/dev",
+            &format!("m{hop}"),
+            QoS::AtLeastOnce,
+            false,
+        );
+        settle_and_sync(&mut n, &mut disks);
+        // (recv_one drops what other connections got: one recv per node.)
+        let mut on1 = n.h[1].recv();
+        let acks = on1.remove(&publisher).unwrap_or_default();
+        assert!(
+            matches!(acks[..], [Packet::PubAck(_)]),
+            "hop {hop}: {acks:?}"
+        );
+        let msgs = if to == 1 {
+            on1.remove(&back)
+        } else {
+            n.h[0].recv().remove(&back)
+        }
+        .unwrap_or_default();
+        assert_eq!(payloads(&msgs), [format!("m{hop}")], "hop {hop}");
+    }
 }

@@ -60,6 +60,12 @@ pub struct Config {
     /// Bytes of a down peer node's queue kept in memory when the queue is stored; past it
     /// the newest batches are only in the store, read back when the link is up.
     pub cluster_outbox_memory: usize,
+    /// Nodes that must hold a QoS 1/2 message for a persistent session (this one and its
+    /// copies) before it is acknowledged.
+    pub cluster_ack_replicas: u8,
+    /// A peer down this long (ms; the failure timeout) has its sessions taken over by the
+    /// owners of their copies; 0: never.
+    pub cluster_takeover_ms: u64,
 }
 
 impl Default for Config {
@@ -91,6 +97,8 @@ impl Default for Config {
             intercept: false,
             max_intercepted: 64,
             cluster_outbox_memory: 64 << 20,
+            cluster_ack_replicas: 2,
+            cluster_takeover_ms: 0,
         }
     }
 }
@@ -165,6 +173,10 @@ impl Config {
             }
             "cluster_outbox_memory" => {
                 self.cluster_outbox_memory = int(key, &value, 0, i64::MAX)? as usize
+            }
+            "cluster_ack_replicas" => self.cluster_ack_replicas = int(key, &value, 1, 16)? as u8,
+            "cluster_takeover_ms" => {
+                self.cluster_takeover_ms = int(key, &value, 0, i64::MAX)? as u64
             }
             "version" => match value {
                 Value::Str(s) => self.version = s,

@@ -121,10 +121,12 @@ impl Engine {
 
     pub(super) fn put(&mut self, key: Vec<u8>, body: &[u8]) {
         let value = envelope::seal(&key, body, self.cfg.compress_above);
+        self.copy_op(&key, Some(&value));
         self.store_ops.push((key, Some(value)));
     }
 
     pub(super) fn delete(&mut self, key: Vec<u8>) {
+        self.copy_op(&key, None);
         self.store_ops.push((key, None));
     }
 
@@ -153,6 +155,8 @@ impl Engine {
             self.unpersist_session(sid);
             return;
         }
+        // Its version in a cluster first: the record and its copies carry it.
+        self.stamp_session(sid, now);
         let record = self.session_record(sid, now);
         let session = self.session(sid).expect("durable session exists");
         let key = records::session_key(&session.client_id);
@@ -200,6 +204,7 @@ impl Engine {
                 .pending_will
                 .as_ref()
                 .map(|(_, at)| wall_now + at.saturating_sub(now)),
+            stamp: session.stamp,
         }
     }
 
@@ -221,10 +226,16 @@ impl Engine {
     }
 
     /// Every record of session `sid` as the store would hold them (sealed), for another
-    /// node to restore: the session, its QoS 1/2 messages in order (numbered from 1: the
-    /// receiver's keys), their in-flight states, its inbound QoS 2 ids. Made by the same
-    /// functions that write them to the store.
-    pub(super) fn session_records(&self, sid: SessionId, now: u64) -> Vec<(Vec<u8>, Vec<u8>)> {
+    /// node to restore: the session, its QoS 1/2 messages in order (`renumber`: numbered
+    /// from 1, the keys of a node that installs them; else under their keys here, for a
+    /// copy), their in-flight states, its inbound QoS 2 ids. Made by the same functions
+    /// that write them to the store.
+    pub(super) fn session_records(
+        &self,
+        sid: SessionId,
+        renumber: bool,
+        now: u64,
+    ) -> Vec<(Vec<u8>, Vec<u8>)> {
         let Some(session) = self.session(sid) else {
             return Vec::new();
         };
@@ -238,8 +249,19 @@ impl Engine {
             &self.session_record(sid, now).encode(),
         )];
         let mut seq = 0;
-        for f in &session.inflight {
+        let mut number = |d: &Delivery| {
             seq += 1;
+            if renumber {
+                seq
+            } else {
+                d.seq
+            }
+        };
+        for f in &session.inflight {
+            let seq = number(&f.delivery);
+            if seq == 0 {
+                continue;
+            }
             out.push(seal(
                 records::message_key(id, seq),
                 &self.message_record(&f.delivery, now).encode(),
@@ -250,7 +272,10 @@ impl Engine {
             ));
         }
         for d in session.queue.iter().filter(|d| d.qos != QoS::AtMostOnce) {
-            seq += 1;
+            let seq = number(d);
+            if seq == 0 {
+                continue;
+            }
             out.push(seal(
                 records::message_key(id, seq),
                 &self.message_record(d, now).encode(),
@@ -417,6 +442,15 @@ impl Engine {
 
     fn restore_one(&mut self, key: &[u8], value: &[u8]) -> Result<(), String> {
         let parsed = records::parse_key(key).ok_or("unknown key")?;
+        if let Key::Copy(client, inner) = parsed {
+            // A copied record is sealed with its own key, and only read back when used.
+            let body = if inner.is_empty() {
+                envelope::open(key, value).map_err(|e| e.to_string())?
+            } else {
+                Default::default()
+            };
+            return self.restore_copy(client, inner, &body);
+        }
         let body = envelope::open(key, value).map_err(|e| e.to_string())?;
         if let Key::Outbox {
             peer, epoch, seq, ..
@@ -430,7 +464,7 @@ impl Engine {
         }
         let r = self.restoring.get_or_insert_with(Box::default);
         match parsed {
-            Key::Outbox { .. } => unreachable!("handled above"),
+            Key::Outbox { .. } | Key::Copy(..) => unreachable!("handled above"),
             Key::Session(id) => {
                 let s = StoredSession::decode(&body).map_err(|e| e.to_string())?;
                 r.sessions.insert(id, s);
@@ -514,6 +548,10 @@ impl Engine {
                 continue;
             }
             let mut session = Session::new(client_id.clone());
+            if let Some(stamp) = s.stamp {
+                self.cluster.retained.observe(stamp);
+            }
+            session.stamp = s.stamp;
             session.expiry = s.expiry;
             session.disconnected_at = Some(now.saturating_sub(elapsed));
             session.stored = true;
@@ -582,7 +620,12 @@ impl Engine {
                     })
                 });
             let will = s.will.map(Box::new);
+            let versioned = session.stamp.is_some();
             let sid = self.insert_session(client_id, session);
+            if versioned && self.cluster.epoch_of() == 0 && self.cfg.cluster_takeover_ms > 0 {
+                // Another node may have taken it over while this one was down.
+                self.restored_unconfirmed(sid, now);
+            }
             for (filter, opts) in &s.subs {
                 self.index_subscribe(filter, sid, *opts);
             }
@@ -610,7 +653,16 @@ impl Engine {
                 summary.orphans += 1;
             }
         }
+        // At start-up in a cluster, a will of a connection that died with this node waits for
+        // the takeover time: meanwhile the copies' owners tell this node if another took the
+        // session over and published it (then the session here is dropped, will and all).
+        let defer = if self.cluster.epoch_of() == 0 {
+            self.cfg.cluster_takeover_ms
+        } else {
+            0
+        };
         for (sid, will, at) in wills {
+            let at = if defer > 0 { at.max(now + defer) } else { at };
             if at <= now {
                 self.publish_will(*will, sid, now);
             } else {

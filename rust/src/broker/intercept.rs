@@ -174,6 +174,7 @@ impl Engine {
             .and_then(|c| self.conn(c))
             .map_or(p.v5, |c| c.protocol == Protocol::V5);
         let routed = matches!(verdict, Verdict::Route);
+        self.replicas.start();
         let code = match verdict {
             Verdict::Route => {
                 if !session_same {

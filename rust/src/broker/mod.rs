@@ -9,6 +9,7 @@
 pub mod acl;
 mod auth;
 mod cluster;
+mod cluster_replicas;
 mod cluster_retained;
 mod cluster_sessions;
 #[cfg(test)]
@@ -38,6 +39,7 @@ use bytes::BytesMut;
 pub use acl::Permissions;
 pub use auth::{AccessEvent, AuthRequest};
 pub use cluster::{PeerId, PeerStats};
+pub use cluster_replicas::{ReplicaStats, THIS_NODE};
 pub use cluster_sessions::ClaimStats;
 pub use config::{Config, Value};
 pub use durable::{RestoreSummary, StoreOp};
@@ -130,6 +132,7 @@ pub struct Engine {
     intercepted: intercept::InterceptQueue,
     cluster: cluster::Cluster,
     claims: cluster_sessions::Claims,
+    replicas: cluster_replicas::Replicas,
 }
 
 impl Engine {
@@ -167,6 +170,7 @@ impl Engine {
             intercepted: intercept::InterceptQueue::default(),
             cluster: cluster::Cluster::default(),
             claims: cluster_sessions::Claims::default(),
+            replicas: cluster_replicas::Replicas::default(),
         }
     }
 
@@ -614,6 +618,7 @@ impl Engine {
             self.index_unsubscribe(filter, sid);
         }
         self.claims.forget(sid);
+        self.replicas.forget(sid);
         // A session handed to another node no longer owns its id here.
         if self.by_client.get(&session.client_id) == Some(&sid) {
             self.by_client.remove(&session.client_id);

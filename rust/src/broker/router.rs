@@ -130,6 +130,8 @@ impl Engine {
         if self.cfg.intercept {
             return self.intercept_publish(id, sid, p, now);
         }
+        // The copies this publish makes (and only these) hold its acknowledgement.
+        self.replicas.start();
         match p.qos {
             QoS::AtMostOnce => {
                 self.route(Arc::new(message_of(p, sid, now)), now);
@@ -407,6 +409,12 @@ impl Engine {
                 if self.relay(sid, &msg, qos, retain, ids, i < plain_targets, scope, now) {
                     count += 1;
                 }
+                continue;
+            }
+            if self.unconfirmed(sid) {
+                // Restored, and maybe taken over elsewhere meanwhile (cluster_replicas).
+                self.hold_for_confirm(sid, &msg, qos, retain, ids, i < plain_targets, scope);
+                count += 1;
                 continue;
             }
             if self.deliver(sid, &msg, qos, retain, ids, now) {

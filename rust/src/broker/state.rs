@@ -8,6 +8,7 @@ use bytes::{Bytes, BytesMut};
 use super::acl::Permissions;
 use super::auth::AuthState;
 use super::limits::TokenBucket;
+use crate::cluster::batch::Stamp;
 use crate::codec::{LastWill, Properties, Protocol, QoS};
 use crate::topics::SubOpts;
 
@@ -259,6 +260,9 @@ pub struct Session {
     /// QoS 2 packet ids received and waiting in the interception queue: a resend is ignored
     /// (the PUBREC goes out on release).
     pub intercepting: Vec<u16>,
+    /// In a cluster, the version of this session here (see broker::cluster_replicas): set
+    /// when it becomes durable or is installed, stored with it, carried by its copies.
+    pub stamp: Option<Stamp>,
 }
 
 impl Session {
@@ -281,6 +285,7 @@ impl Session {
             pending_will: None,
             read_check: None,
             intercepting: Vec::new(),
+            stamp: None,
         }
     }
 

@@ -51,6 +51,11 @@ const ITEM_KICK: u8 = 7;
 const ITEM_CLAIM: u8 = 8;
 const ITEM_CLAIM_ANSWER: u8 = 9;
 const ITEM_SESSION_MESSAGE: u8 = 10;
+const ITEM_COPY: u8 = 11;
+const ITEM_COPY_CHECK: u8 = 12;
+const ITEM_FENCE: u8 = 13;
+const ITEM_INSTALLED: u8 = 14;
+const ITEM_SAFE: u8 = 15;
 
 const CLAIM_DISCARD: u8 = 1;
 
@@ -152,6 +157,42 @@ pub enum Item<'a> {
         stamp: Stamp,
         records: Vec<(&'a [u8], &'a [u8])>,
     },
+    /// One store operation on a session record of the sender (its home), for the receiver's
+    /// copy (protocol 4): put `value` (sealed, as the sender stores it) under `key`, or
+    /// delete it. `stamp` is the session's version; `map` the sender's partition map version.
+    Copy {
+        map: u64,
+        stamp: Stamp,
+        key: &'a [u8],
+        value: Option<&'a [u8]>,
+    },
+    /// The sender holds session `client_id` at version `stamp` (sent when a link comes up):
+    /// the receiver answers with a `Fence`.
+    CopyCheck {
+        client_id: &'a str,
+        stamp: Stamp,
+    },
+    /// The newest version of session `client_id` the sender knows, and its home (`stamp`
+    /// zero and `home` empty: none newer than asked). A receiver holding an older one gives
+    /// it up, without a will, to `home` (which has the session).
+    Fence {
+        client_id: &'a str,
+        stamp: Stamp,
+        home: &'a str,
+    },
+    /// The sender installed session `client_id` (it moved there): what it routes after this
+    /// item it delivers to the session itself, so a node relaying for the session does not
+    /// send those back; what it routed before, it did not.
+    Installed {
+        client_id: &'a str,
+    },
+    /// The sender applied the receiver's reliable batches of its incarnation `epoch` up to
+    /// `seq` and its copies of what they stored are acknowledged (the header's acknowledgement
+    /// says applied only): the receiver's publishers may be acknowledged.
+    Safe {
+        epoch: u64,
+        seq: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -248,6 +289,48 @@ impl ItemWriter {
         for (key, value) in records {
             self.w.bytes(key).bytes(value);
         }
+        self.count += 1;
+    }
+
+    pub fn copy(&mut self, map: u64, stamp: Stamp, key: &[u8], value: Option<&[u8]>) {
+        self.w
+            .u8(ITEM_COPY)
+            .u64(map)
+            .u64(stamp.clock)
+            .u64(stamp.node)
+            .bytes(key);
+        match value {
+            Some(v) => self.w.u8(1).bytes(v),
+            None => self.w.u8(0),
+        };
+        self.count += 1;
+    }
+
+    pub fn copy_check(&mut self, client_id: &str, stamp: Stamp) {
+        self.session_stamp(ITEM_COPY_CHECK, client_id, stamp);
+    }
+
+    pub fn fence(&mut self, client_id: &str, stamp: Stamp, home: &str) {
+        self.session_stamp(ITEM_FENCE, client_id, stamp);
+        self.w.bytes(home.as_bytes());
+    }
+
+    pub fn safe(&mut self, epoch: u64, seq: u64) {
+        self.w.u8(ITEM_SAFE).u64(epoch).u64(seq);
+        self.count += 1;
+    }
+
+    pub fn installed(&mut self, client_id: &str) {
+        self.w.u8(ITEM_INSTALLED).bytes(client_id.as_bytes());
+        self.count += 1;
+    }
+
+    fn session_stamp(&mut self, item: u8, client_id: &str, stamp: Stamp) {
+        self.w
+            .u8(item)
+            .bytes(client_id.as_bytes())
+            .u64(stamp.clock)
+            .u64(stamp.node);
         self.count += 1;
     }
 
@@ -495,6 +578,38 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
             }
         }
         ITEM_MESSAGE => Item::Message(read_message(r)?),
+        ITEM_COPY => {
+            let map = r.u64()?;
+            let stamp = read_stamp(r)?;
+            let key = r.bytes()?;
+            let value = match r.u8()? {
+                0 => None,
+                1 => Some(r.bytes()?),
+                _ => return Err(BatchError("bad copy flag".into())),
+            };
+            Item::Copy {
+                map,
+                stamp,
+                key,
+                value,
+            }
+        }
+        ITEM_COPY_CHECK => Item::CopyCheck {
+            client_id: client_id(r.bytes()?)?,
+            stamp: read_stamp(r)?,
+        },
+        ITEM_SAFE => Item::Safe {
+            epoch: r.u64()?,
+            seq: r.u64()?,
+        },
+        ITEM_INSTALLED => Item::Installed {
+            client_id: client_id(r.bytes()?)?,
+        },
+        ITEM_FENCE => Item::Fence {
+            client_id: client_id(r.bytes()?)?,
+            stamp: read_stamp(r)?,
+            home: utf8(r.bytes()?)?,
+        },
         ITEM_SESSION_MESSAGE => {
             let client_id = client_id(r.bytes()?)?;
             let qos = r.u8()?;
@@ -521,6 +636,13 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
             }
         }
         tag => return Err(BatchError(format!("unknown batch item 0x{tag:02x}"))),
+    })
+}
+
+fn read_stamp(r: &mut Reader<'_>) -> Result<Stamp, BatchError> {
+    Ok(Stamp {
+        clock: r.u64()?,
+        node: r.u64()?,
     })
 }
 
@@ -620,6 +742,12 @@ mod tests {
         let stamp = Stamp { clock: 5, node: 6 };
         w.claim("dev-2", stamp, true);
         w.claim_answer("dev-2", stamp, &[(b"k".to_vec(), b"v".to_vec())]);
+        w.copy(3, stamp, b"k", Some(b"v"));
+        w.copy(3, stamp, b"k", None);
+        w.copy_check("dev-3", stamp);
+        w.fence("dev-3", stamp, "n2");
+        w.installed("dev-4");
+        w.safe(8, 9);
         let header = Header {
             epoch: 1,
             seq: 2,
@@ -658,6 +786,29 @@ mod tests {
                     stamp,
                     records: vec![(&b"k"[..], &b"v"[..])]
                 },
+                Item::Copy {
+                    map: 3,
+                    stamp,
+                    key: b"k",
+                    value: Some(b"v")
+                },
+                Item::Copy {
+                    map: 3,
+                    stamp,
+                    key: b"k",
+                    value: None
+                },
+                Item::CopyCheck {
+                    client_id: "dev-3",
+                    stamp
+                },
+                Item::Fence {
+                    client_id: "dev-3",
+                    stamp,
+                    home: "n2"
+                },
+                Item::Installed { client_id: "dev-4" },
+                Item::Safe { epoch: 8, seq: 9 },
             ]
         );
         assert!(w.is_empty());

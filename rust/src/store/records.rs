@@ -12,6 +12,8 @@
 //! | `q` | client, packet id u16 | inbound QoS 2 packet id awaiting PUBREL |
 //! | `r` | topic | retained message |
 //! | `o` | peer node, start u64, epoch u64, seq u64 | a data batch for a peer node whose link is down, kept until it acknowledges it (the frame as sent) |
+//! | `c` | client, then a key above of that client (`s`, `m`, `f`, `q`) | a copy of another node's session record, as sealed there (with its own key) |
+//! | `c` | client, nothing after | the copy's home node and version (`CopyMeta`) |
 
 use bytes::Bytes;
 
@@ -26,6 +28,7 @@ pub const FLIGHT: u8 = b'f';
 pub const INBOUND: u8 = b'q';
 pub const RETAINED: u8 = b'r';
 pub const OUTBOX: u8 = b'o';
+pub const COPY: u8 = b'c';
 
 fn client_prefix(kind: u8, client_id: &str, extra: usize) -> Vec<u8> {
     let id = client_id.as_bytes();
@@ -76,6 +79,25 @@ pub fn outbox_key(peer: &str, start: u64, epoch: u64, seq: u64) -> Vec<u8> {
     k
 }
 
+/// A copy of record `inner` (a session-kind key of `client_id`) held for another node; with
+/// `inner` empty, the copy's meta record.
+pub fn copy_key(client_id: &str, inner: &[u8]) -> Vec<u8> {
+    let mut k = client_prefix(COPY, client_id, inner.len());
+    k.extend_from_slice(inner);
+    k
+}
+
+/// The client id of a session-kind key (`s`, `m`, `f`, `q`), without allocating: the unit
+/// that is copied to replicas.
+pub fn session_client(key: &[u8]) -> Option<&str> {
+    let (&kind, rest) = key.split_first()?;
+    if !matches!(kind, SESSION | MESSAGE | FLIGHT | INBOUND) || rest.len() < 2 {
+        return None;
+    }
+    let n = u16::from_be_bytes([rest[0], rest[1]]) as usize;
+    std::str::from_utf8(rest.get(2..2 + n)?).ok()
+}
+
 /// A parsed key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Key {
@@ -90,6 +112,8 @@ pub enum Key {
         epoch: u64,
         seq: u64,
     },
+    /// A copy of `inner` (a session record of `client`) or, with `inner` empty, its meta.
+    Copy(String, Vec<u8>),
 }
 
 pub fn parse_key(key: &[u8]) -> Option<Key> {
@@ -108,6 +132,12 @@ pub fn parse_key(key: &[u8]) -> Option<Key> {
         (MESSAGE, 8) => Some(Key::Message(id, u64::from_be_bytes(tail.try_into().ok()?))),
         (FLIGHT, 8) => Some(Key::Flight(id, u64::from_be_bytes(tail.try_into().ok()?))),
         (INBOUND, 2) => Some(Key::Inbound(id, u16::from_be_bytes([tail[0], tail[1]]))),
+        (COPY, _) => {
+            if !tail.is_empty() && session_client(tail) != Some(id.as_str()) {
+                return None;
+            }
+            Some(Key::Copy(id, tail.to_vec()))
+        }
         (OUTBOX, 24) => Some(Key::Outbox {
             peer: id,
             start: u64::from_be_bytes(tail[..8].try_into().ok()?),
@@ -241,6 +271,10 @@ pub struct StoredSession {
     pub will: Option<LastWill>,
     /// A will waiting for its delay after an abnormal disconnect: fires at this wall time.
     pub will_at_wall: Option<u64>,
+    /// In a cluster, the session's version: the stamp of the claim that made it live here
+    /// (appended; absent on a single node and in earlier records). A copy or an owner with
+    /// an older one gives way to it.
+    pub stamp: Option<Stamp>,
 }
 
 fn write_will(w: &mut Writer, will: &LastWill) {
@@ -292,6 +326,9 @@ impl StoredSession {
             }
         }
         w.opt_u64(self.will_at_wall);
+        if let Some(s) = self.stamp {
+            w.u64(s.clock).u64(s.node);
+        }
         w.buf
     }
 
@@ -327,6 +364,14 @@ impl StoredSession {
             _ => return Err(BodyError("bad will tag")),
         };
         let will_at_wall = r.opt_u64()?;
+        let stamp = if r.is_empty() {
+            None
+        } else {
+            Some(Stamp {
+                clock: r.u64()?,
+                node: r.u64()?,
+            })
+        };
         r.finish()?;
         Ok(StoredSession {
             expiry,
@@ -334,6 +379,7 @@ impl StoredSession {
             subs,
             will,
             will_at_wall,
+            stamp,
         })
     }
 }
@@ -417,7 +463,20 @@ mod tests {
                 parse_key(&inbound_key(id, 9)),
                 Some(Key::Inbound(id.into(), 9))
             );
+            let inner = message_key(id, 7);
+            assert_eq!(session_client(&inner), Some(id));
+            assert_eq!(
+                parse_key(&copy_key(id, &inner)),
+                Some(Key::Copy(id.into(), inner))
+            );
+            assert_eq!(
+                parse_key(&copy_key(id, b"")),
+                Some(Key::Copy(id.into(), vec![]))
+            );
+            // A copy holds only records of its own client.
+            assert_eq!(parse_key(&copy_key(id, &session_key("other"))), None);
         }
+        assert_eq!(session_client(&retained_key(b"a")), None);
         assert_eq!(
             parse_key(&retained_key(b"a/b")),
             Some(Key::Retained(Bytes::from_static(b"a/b")))
@@ -478,12 +537,21 @@ mod tests {
                 },
             }),
             will_at_wall: Some(1000),
+            stamp: None,
         };
         let body = s.encode();
         assert_eq!(StoredSession::decode(&body).unwrap(), s);
         for len in 0..body.len() {
             assert!(StoredSession::decode(&body[..len]).is_err());
         }
+        // A cluster's session carries its version; a record without one still reads.
+        let stamped = StoredSession {
+            stamp: Some(Stamp { clock: 7, node: 8 }),
+            ..s
+        };
+        let body = stamped.encode();
+        assert_eq!(StoredSession::decode(&body).unwrap(), stamped);
+        assert!(StoredSession::decode(&body[..body.len() - 1]).is_err());
         let r = StoredRetained {
             payload: Bytes::from_static(b"on"),
             qos: QoS::AtMostOnce,

@@ -104,6 +104,30 @@ class DataPlane:
                 link.write_frames(frame, 1)
         if self.engine.has_cluster_loads():
             self.load_spilled()
+        if self.engine.has_copy_loads():
+            self.load_copies()
+
+    def set_map(self, version: int, replicas: tuple[tuple[str, ...], ...]) -> None:
+        """The partition map, for the copies of sessions: each partition's owners."""
+        me = self.transport.node_id
+        owners = [[-1 if n == me else self.peer(n) for n in nodes] for nodes in replicas]
+        self.engine.cluster_set_map(version, owners, monotonic_ms())
+        self.server.schedule_flush()
+
+    def load_copies(self) -> None:
+        """Reads back session copies the engine needs (a claim for a client whose home is
+        down, or a takeover of a dead home's sessions): one multi-get per session."""
+        store = self.server.store
+        for client_id, keys in self.engine.copy_loads():
+            try:
+                values = store.get_many(keys) if store is not None else [None] * len(keys)
+            except StoreError as error:
+                logger.error("%s; the copy of session %r is not read back", error, client_id)
+                values = [None] * len(keys)
+            records = list(zip(keys, values, strict=True))
+            for problem in self.engine.copy_loaded(client_id, records, monotonic_ms()):
+                logger.error("%s", problem)
+        self.server.schedule_flush()
 
     def load_spilled(self) -> None:
         """Reads back from the store the next batches of a queue that spilled to disk while

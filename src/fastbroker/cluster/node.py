@@ -393,6 +393,9 @@ class ClusterNode:
         old = self.map
         self.map = new
         self.map_changed_at = now
+        changed = old.version != new.version or old.members != new.members
+        if self.dataplane is not None and changed:
+            self.dataplane.set_map(new.version, new.replicas)
         if old.members != new.members:
             logger.info(
                 "partition map version %d: members %s (%s)",

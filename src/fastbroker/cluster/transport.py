@@ -56,11 +56,12 @@ logger = logging.getLogger("fastbroker.cluster.transport")
 
 MAGIC = "fastbroker-cluster"
 # The inter-node protocol versions this build speaks. A node of the next release speaks
-# [2, 4] and talks 3 with this one, which lets a cluster run mixed during a rolling upgrade.
+# [2, 5] and talks 4 with this one, which lets a cluster run mixed during a rolling upgrade.
 # Version 2 added the data plane (routes and forwarded messages): a version 1 node, which
-# cannot carry them, is refused at handshake. Version 3 added DATA_KEEPALIVE.
+# cannot carry them, is refused at handshake. Version 3 added DATA_KEEPALIVE, claims and
+# kicks. Version 4 added copies of sessions (Copy, CopyCheck, Fence batch items).
 PROTOCOL_MIN = 2
-PROTOCOL_MAX = 3
+PROTOCOL_MAX = 4
 
 CONTROL = "control"
 DATA_CHANNEL = "data"

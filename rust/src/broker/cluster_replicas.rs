@@ -1,0 +1,945 @@
+//! Copies of persistent sessions on the replicas of their partition, so a session outlives
+//! the SIGKILL of its home node (docs/cluster-sessions.md, issue 16).
+//!
+//! - **The store batch is the replication unit.** Every store operation on a record of a
+//!   persistent session (`s`, `m`, `f`, `q` keys: the session, its queued and in-flight
+//!   messages, its inbound QoS 2 ids) is also queued, as sealed for the store, in a reliable
+//!   `Copy` item to each other owner of the client id's partition. The owner keeps it under
+//!   a copy key (`c`), and acknowledges the batch only once it is written, like any batch.
+//! - **Acknowledged means copied.** A QoS 1/2 publish whose message was stored for a
+//!   persistent session gets its PUBACK/PUBREC once `ack_replicas - 1` owners that are up
+//!   have the copy (`waits`, held like forwarded messages' acknowledgements). A message
+//!   forwarded by another node is acknowledged to that node on the same condition, so the
+//!   publisher's PUBACK waits for the copy too. With no owner up, the copy waits in this
+//!   node's stored queue for them and the acknowledgement is counted as degraded.
+//! - **Versions.** A session carries a stamp (the hybrid clock of the node that made it live
+//!   there), stored in its record and moved with it; every copy item carries it. An owner
+//!   keeps the copy of the newest version only: a newer one replaces the copy, an older one
+//!   is refused and its sender told (`Fence`), and a node holding an older live session drops
+//!   it without a will. When a link comes up, each node tells the owners the versions of its
+//!   sessions (`CopyCheck`), so a node back from the dead learns which of its sessions live
+//!   elsewhere now.
+//! - **A dead home.** A claim for a client whose home is down is answered from the copy
+//!   (read back from the store). A home down for the takeover time (the failure timeout) has
+//!   its sessions taken over by the first owner that is up: it installs the copy as a
+//!   disconnected session, so the will of a connection that died with its node is published
+//!   (after its delay) and expiry is counted, once.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use super::cluster::PeerId;
+use super::router::Scope;
+use super::state::{Message, SessionId};
+use super::Engine;
+use crate::cluster::batch::Stamp;
+use crate::codec::QoS;
+use crate::store::envelope;
+use crate::store::records;
+use crate::store::wire::{Reader, Writer};
+
+/// This node in a partition's owner list (`cluster_set_map`).
+pub const THIS_NODE: PeerId = PeerId::MAX;
+
+/// Who holds each partition, as the control plane computed it.
+struct SessionMap {
+    version: u64,
+    owners: Vec<Vec<PeerId>>,
+}
+
+impl SessionMap {
+    fn owners(&self, client_id: &str) -> &[PeerId] {
+        if self.owners.is_empty() {
+            return &[];
+        }
+        // The partition function of fastbroker.cluster.partitions.partition_of.
+        let p = xxhash_rust::xxh3::xxh3_64(client_id.as_bytes()) % self.owners.len() as u64;
+        &self.owners[p as usize]
+    }
+}
+
+/// The copy of one session of another node.
+struct Copy {
+    home: Arc<str>,
+    stamp: Stamp,
+    /// The session's own keys held (the store keys are `copy_key(client, key)`).
+    keys: HashSet<Box<[u8]>>,
+}
+
+/// A delivery to a session not confirmed yet, with what tells whether its newer home got
+/// the message itself.
+pub(super) struct HeldMessage {
+    pub(super) msg: Arc<Message>,
+    pub(super) qos: QoS,
+    pub(super) retain: bool,
+    pub(super) sub_ids: Vec<u32>,
+    plain: bool,
+    from: Option<PeerId>,
+    /// `from` had the session installed when it routed this (see `Item::Installed`).
+    from_home: bool,
+    also: Vec<u64>,
+}
+
+/// A session restored at start-up that the owners have not confirmed yet.
+struct Unconfirmed {
+    /// Owners that answered its check with nothing newer.
+    answered: Vec<PeerId>,
+    held: Vec<HeldMessage>,
+    /// Confirmed anyway then (owners that stay down cannot answer).
+    until: u64,
+}
+
+/// What a copy is being read back from the store for.
+enum Use {
+    /// Answer the claim of `peer` with `stamp`.
+    Claim { peer: PeerId, stamp: Stamp },
+    /// Install it here: its home is dead.
+    Takeover,
+}
+
+#[derive(Default, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReplicaStats {
+    /// Sessions of other nodes copied here.
+    pub copies: u64,
+    /// Copy operations sent to other nodes, and taken from them.
+    pub ops_out: u64,
+    pub ops_in: u64,
+    /// Acknowledgements given with fewer than `ack_replicas` copies (no owner up).
+    pub degraded_acks: u64,
+    /// Copy operations refused: an older version of the session than the one held.
+    pub stale_refused: u64,
+    /// Sessions here dropped because a newer version lives on another node.
+    pub fenced: u64,
+    /// Claims answered from a copy (the home was down).
+    pub claims_served: u64,
+    /// Sessions of a dead home installed here.
+    pub takeovers: u64,
+}
+
+#[derive(Default)]
+pub(super) struct Replicas {
+    map: Option<SessionMap>,
+    copies: HashMap<Arc<str>, Copy>,
+    /// The peer that last said it installed a session that relays or waits here.
+    installed: HashMap<Arc<str>, PeerId>,
+    /// Sessions restored at start-up, waiting for the owners' answers.
+    unconfirmed: HashMap<SessionId, Unconfirmed>,
+    /// Copies being read back, and what for.
+    wanted: HashMap<Arc<str>, Use>,
+    loads: Vec<Arc<str>>,
+    /// The (peer, batch) pairs copies of the publish being handled went in: its
+    /// acknowledgement waits for them.
+    pub(super) waits: Vec<(PeerId, u64)>,
+    /// The publish being handled was copied to no owner that is up.
+    pub(super) degraded: bool,
+    /// Down peers whose sessions were looked at for a takeover (until their link is up).
+    swept: HashSet<PeerId>,
+    sweep_due: bool,
+    scratch: Vec<PeerId>,
+    stats: ReplicaStats,
+}
+
+impl Replicas {
+    /// Session `sid` is gone.
+    pub(super) fn forget(&mut self, sid: SessionId) {
+        if !self.unconfirmed.is_empty() {
+            self.unconfirmed.remove(&sid);
+        }
+    }
+
+    pub(super) fn forget_installed(&mut self, client_id: &str) {
+        if !self.installed.is_empty() {
+            self.installed.remove(client_id);
+        }
+    }
+
+    /// Forgets the waits of what was handled before the publish or batch starting now.
+    pub(super) fn start(&mut self) {
+        self.waits.clear();
+        self.degraded = false;
+    }
+
+    fn map_version(&self) -> u64 {
+        self.map.as_ref().map_or(0, |m| m.version)
+    }
+
+    fn is_owner(&self, client_id: &str) -> bool {
+        self.map
+            .as_ref()
+            .is_none_or(|m| m.owners(client_id).contains(&THIS_NODE))
+    }
+}
+
+fn encode_meta(stamp: Stamp, home: &str) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.u64(stamp.clock).u64(stamp.node).bytes(home.as_bytes());
+    w.buf
+}
+
+fn decode_meta(body: &[u8]) -> Result<(Stamp, String), String> {
+    let mut r = Reader::new(body);
+    let stamp = Stamp {
+        clock: r.u64().map_err(|e| e.0)?,
+        node: r.u64().map_err(|e| e.0)?,
+    };
+    let home = std::str::from_utf8(r.bytes().map_err(|e| e.0)?)
+        .map_err(|_| "copy home is not UTF-8")?
+        .to_owned();
+    r.finish().map_err(|e| e.0)?;
+    Ok((stamp, home))
+}
+
+impl Engine {
+    /// The partition map (`owners[p]`: partition p's primary then followers, this node as
+    /// `THIS_NODE`). Sessions whose partition gained an owner are copied to it in full;
+    /// sessions from before copies existed get a version and are copied.
+    pub fn cluster_set_map(&mut self, version: u64, owners: Vec<Vec<PeerId>>, now: u64) {
+        let old = self.replicas.map.replace(SessionMap { version, owners });
+        self.replicas.sweep_due = true;
+        if self.cluster.epoch_of() == 0 {
+            return;
+        }
+        let sids: Vec<SessionId> = self.by_client.values().copied().collect();
+        for sid in sids {
+            let Some(session) = self.session(sid) else {
+                continue;
+            };
+            if !session.stored {
+                continue;
+            }
+            if session.stamp.is_none() {
+                let stamp = self.cluster.retained.next(self.wall(now));
+                self.session_mut(sid).expect("exists").stamp = Some(stamp);
+                self.copy_session(sid, None, now);
+                continue;
+            }
+            let client = session.client_id.clone();
+            let map = self.replicas.map.as_ref().expect("set above");
+            let gained: Vec<PeerId> = map
+                .owners(&client)
+                .iter()
+                .copied()
+                .filter(|&p| p != THIS_NODE)
+                .filter(|p| old.as_ref().is_none_or(|o| !o.owners(&client).contains(p)))
+                .collect();
+            // At the first map after a start, the owners had their copies already.
+            if old.is_some() && !gained.is_empty() {
+                self.copy_session(sid, Some(&gained), now);
+            }
+        }
+    }
+
+    pub(super) fn replicas_degraded_ack(&mut self) {
+        self.replicas.stats.degraded_acks += 1;
+    }
+
+    pub fn replica_stats(&self) -> ReplicaStats {
+        let mut s = self.replicas.stats;
+        s.copies = self.replicas.copies.len() as u64;
+        s
+    }
+
+    /// Gives a session that becomes durable here its version (the stamp its copies carry).
+    /// (Before the first map it gets none: the map gives it one and copies it in full.)
+    pub(super) fn stamp_session(&mut self, sid: SessionId, now: u64) {
+        if self.replicas.map.is_none() || self.session(sid).is_none_or(|s| s.stamp.is_some()) {
+            return;
+        }
+        let stamp = self.cluster.retained.next(self.wall(now));
+        self.session_mut(sid).expect("checked").stamp = Some(stamp);
+    }
+
+    /// A store operation on `key`: copied to the other owners if it is a record of a
+    /// persistent session homed here (see the module comment).
+    pub(super) fn copy_op(&mut self, key: &[u8], value: Option<&[u8]>) {
+        let Some(map) = self.replicas.map.as_ref() else {
+            return;
+        };
+        let Some(client) = records::session_client(key) else {
+            return;
+        };
+        let Some(stamp) = self
+            .by_client
+            .get(client)
+            .and_then(|&sid| self.session(sid))
+            .and_then(|s| s.stamp)
+        else {
+            return;
+        };
+        let version = map.version;
+        let mut targets = std::mem::take(&mut self.replicas.scratch);
+        targets.clear();
+        targets.extend(map.owners(client).iter().filter(|&&p| p != THIS_NODE));
+        let need = usize::from(self.cfg.cluster_ack_replicas.saturating_sub(1));
+        let mut waited = 0;
+        let mut queued = false;
+        for &t in &targets {
+            let Some((up, seq)) = self.cluster.queue_copy(t, version, stamp, key, value) else {
+                continue;
+            };
+            queued = true;
+            self.replicas.stats.ops_out += 1;
+            if up && waited < need {
+                self.replicas.waits.push((t, seq));
+                waited += 1;
+            }
+        }
+        if queued && waited < need {
+            self.replicas.degraded = true;
+        }
+        self.replicas.scratch = targets;
+    }
+
+    /// Sends every record of session `sid` to the owners `to` (all of them if None): a
+    /// copy made anew there (its version is new to them).
+    fn copy_session(&mut self, sid: SessionId, to: Option<&[PeerId]>, now: u64) {
+        let Some(session) = self.session(sid) else {
+            return;
+        };
+        let Some(stamp) = session.stamp else {
+            return;
+        };
+        let client = session.client_id.clone();
+        // Its record with the version first: it is what a restart reads back.
+        self.persist_session(sid, now);
+        let Some(map) = self.replicas.map.as_ref() else {
+            return;
+        };
+        let version = map.version;
+        let targets: Vec<PeerId> = match to {
+            Some(t) => t.to_vec(),
+            None => map
+                .owners(&client)
+                .iter()
+                .copied()
+                .filter(|&p| p != THIS_NODE)
+                .collect(),
+        };
+        let records = self.session_records(sid, false, now);
+        for &t in &targets {
+            for (key, value) in &records {
+                if self
+                    .cluster
+                    .queue_copy(t, version, stamp, key, Some(value))
+                    .is_some()
+                {
+                    self.replicas.stats.ops_out += 1;
+                }
+            }
+        }
+    }
+
+    /// A copy operation from peer `peer` (the session's home). Errors are a hostile or
+    /// broken peer's (the link is dropped); an older version is refused with a `Fence`.
+    pub(super) fn copy_received(
+        &mut self,
+        peer: PeerId,
+        map: u64,
+        stamp: Stamp,
+        key: &[u8],
+        value: Option<&[u8]>,
+        now: u64,
+    ) {
+        let Some(client) = records::session_client(key) else {
+            return;
+        };
+        let client: Arc<str> = Arc::from(client);
+        self.cluster.retained.observe(stamp);
+        self.replicas.stats.ops_in += 1;
+        if map < self.replicas.map_version() && !self.replicas.is_owner(&client) {
+            // Sent under an older map, to a node that no longer holds the partition.
+            self.event(
+                "copy_refused",
+                client,
+                format!("copy for map version {map}, not an owner at this one"),
+            );
+            return;
+        }
+        if let Some(&sid) = self.by_client.get(&client) {
+            match self.version_of(sid) {
+                Some(ours) if ours > stamp => {
+                    self.replicas.stats.stale_refused += 1;
+                    let me = self.cluster.name.clone();
+                    self.cluster.queue_fence(peer, &client, ours, &me);
+                    return;
+                }
+                // A live connection of unknown version stays (a split merges in issue 11).
+                None if self.session(sid).is_some_and(|s| s.conn.is_some()) => {
+                    self.replicas.stats.stale_refused += 1;
+                    return;
+                }
+                _ => self.give_up(sid, peer, now),
+            }
+        }
+        let home = self.cluster.peer_name(peer);
+        let Some(home) = home else { return };
+        let reset = match self.replicas.copies.get(&client) {
+            None => true,
+            Some(c) if stamp > c.stamp => true,
+            Some(c) if stamp < c.stamp => {
+                let (newer, home) = (c.stamp, c.home.clone());
+                self.replicas.stats.stale_refused += 1;
+                self.cluster.queue_fence(peer, &client, newer, &home);
+                return;
+            }
+            Some(_) => false,
+        };
+        if reset {
+            self.drop_copy(&client);
+            self.put(records::copy_key(&client, b""), &encode_meta(stamp, &home));
+            self.replicas.copies.insert(
+                client.clone(),
+                Copy {
+                    home,
+                    stamp,
+                    keys: HashSet::new(),
+                },
+            );
+        }
+        let store_key = records::copy_key(&client, key);
+        let copy = self.replicas.copies.get_mut(&client).expect("made above");
+        match value {
+            Some(v) => {
+                copy.keys.insert(key.into());
+                self.store_ops.push((store_key, Some(v.to_vec())));
+            }
+            None => {
+                copy.keys.remove(key);
+                let empty = copy.keys.is_empty();
+                self.store_ops.push((store_key, None));
+                if empty {
+                    // The session ended there (or moved, and its new home copies anew).
+                    self.drop_copy(&client);
+                }
+            }
+        }
+    }
+
+    /// Deletes the copy of `client_id` held here, if any.
+    pub(super) fn drop_copy(&mut self, client_id: &str) {
+        let Some(copy) = self.replicas.copies.remove(client_id) else {
+            return;
+        };
+        self.replicas.wanted.remove(client_id);
+        for key in copy.keys {
+            self.delete(records::copy_key(client_id, &key));
+        }
+        self.delete(records::copy_key(client_id, b""));
+    }
+
+    /// A copy record read back at start-up.
+    pub(super) fn restore_copy(
+        &mut self,
+        client: String,
+        inner: Vec<u8>,
+        body: &[u8],
+    ) -> Result<(), String> {
+        let client: Arc<str> = Arc::from(client);
+        if inner.is_empty() {
+            let (stamp, home) = decode_meta(body)?;
+            self.cluster.retained.observe(stamp);
+            let copy = self.replicas.copies.entry(client).or_insert_with(|| Copy {
+                home: Arc::from(""),
+                stamp,
+                keys: HashSet::new(),
+            });
+            copy.home = Arc::from(home);
+            copy.stamp = stamp;
+            return Ok(());
+        }
+        match self.replicas.copies.get_mut(&client) {
+            Some(copy) => {
+                copy.keys.insert(inner.into());
+                Ok(())
+            }
+            // The meta record sorts first: a copy without one is torn.
+            None => Err("copy record without its meta record".into()),
+        }
+    }
+
+    /// The version of session `sid` here: its stamp, or that of the claim it won.
+    fn version_of(&self, sid: SessionId) -> Option<Stamp> {
+        let won = self.claims.won.get(&sid).copied();
+        self.session(sid).and_then(|s| s.stamp).max(won)
+    }
+
+    /// Peer `peer` installed `client_id`: kept if the session relays or waits here (a node
+    /// that relays for it tells what `peer` routed itself from what it did not).
+    pub(super) fn installed_received(&mut self, peer: PeerId, client_id: &str) {
+        let waiting = self
+            .by_client
+            .get(client_id)
+            .is_some_and(|&sid| self.unconfirmed(sid));
+        if waiting || self.relays_client(client_id) {
+            self.replicas.installed.insert(Arc::from(client_id), peer);
+        }
+    }
+
+    /// Whether `peer` routes to session `client_id` itself (it said it installed it; a peer
+    /// of protocol 3, which cannot say, is taken to).
+    pub(super) fn routes_itself(&self, peer: PeerId, client_id: &str) -> bool {
+        self.cluster.peer_protocol(peer) < 4
+            || self.replicas.installed.get(client_id) == Some(&peer)
+    }
+
+    /// Peer `peer` holds `client_id` at `stamp` (its link just came up): it is told the
+    /// newest version known here, if newer, and where that lives.
+    pub(super) fn copy_check_received(&mut self, peer: PeerId, client_id: &str, stamp: Stamp) {
+        self.cluster.retained.observe(stamp);
+        let local = self
+            .by_client
+            .get(client_id)
+            .and_then(|&sid| self.version_of(sid));
+        let copied = self
+            .replicas
+            .copies
+            .get(client_id)
+            .map(|c| (c.stamp, c.home.clone()));
+        let me = self.cluster.name.clone();
+        let newest = match (local, copied) {
+            (Some(l), Some((c, home))) if c > l => Some((c, home)),
+            (Some(l), _) => Some((l, me)),
+            (None, c) => c,
+        };
+        match newest.filter(|(n, _)| *n > stamp) {
+            Some((newer, home)) => self.cluster.queue_fence(peer, client_id, newer, &home),
+            // Nothing newer: the asker's version stands.
+            None => self
+                .cluster
+                .queue_fence(peer, client_id, Stamp::default(), ""),
+        }
+    }
+
+    /// Peer `peer` answers about `client_id`: `stamp` is the newest version it knows, living
+    /// on `home`. An older session here goes to `home` (as in a hand-over, with what reached
+    /// it since this node started); a copy here of an older one goes.
+    pub(super) fn fence_received(
+        &mut self,
+        peer: PeerId,
+        client_id: &str,
+        stamp: Stamp,
+        home: &str,
+        now: u64,
+    ) {
+        self.cluster.retained.observe(stamp);
+        if let Some(&sid) = self.by_client.get(client_id) {
+            if self.version_of(sid).is_some_and(|ours| ours < stamp) {
+                let to = self.cluster.peer_id_of(home);
+                match to {
+                    Some(to) => self.give_up(sid, to, now),
+                    None => self.fence_session(sid, now),
+                }
+            } else if let Some(u) = self.replicas.unconfirmed.get_mut(&sid) {
+                u.answered.push(peer);
+                self.confirm_if_answered(sid, now);
+            }
+        }
+        if self
+            .replicas
+            .copies
+            .get(client_id)
+            .is_some_and(|c| c.stamp < stamp)
+        {
+            self.drop_copy(client_id);
+        }
+    }
+
+    /// Hands session `sid` to `to`, where a newer version of it lives: what reached it since
+    /// this node started (and `to` did not get itself) goes there, then its subscriptions
+    /// relay there for a while. No will: the session lives on there.
+    fn give_up(&mut self, sid: SessionId, to: PeerId, now: u64) {
+        self.replicas.stats.fenced += 1;
+        let held = self
+            .replicas
+            .unconfirmed
+            .remove(&sid)
+            .map(|u| u.held)
+            .unwrap_or_default();
+        let Some(session) = self.session_mut(sid) else {
+            return;
+        };
+        // Its records go here only: the owners hold the newer version's.
+        session.stamp = None;
+        session.pending_will = None;
+        let client = session.client_id.clone();
+        if let Some(conn) = session.conn {
+            if let Some(c) = self.conn_mut(conn) {
+                c.will = None;
+            }
+            self.close(
+                conn,
+                Some(0x8E),
+                "session lives on another node",
+                false,
+                now,
+            );
+        }
+        self.claims.won.remove(&sid);
+        let key = self.cluster.peer_key(to);
+        self.replicas.installed.remove(&client);
+        for h in held {
+            if (h.from == Some(to) && h.from_home) || (h.plain && h.also.contains(&key)) {
+                continue;
+            }
+            self.cluster
+                .queue_session_message(to, &client, &h.msg, h.qos, h.retain, &h.sub_ids, now);
+        }
+        self.cluster.seal_for(to);
+        self.store_outgoing(to);
+        self.hand_over(sid, to, now);
+        self.event(
+            "session_fenced",
+            client,
+            "a newer version of the session lives on another node: handed to it".into(),
+        );
+    }
+
+    /// Drops session `sid` here, without a will: a newer version of it lives elsewhere.
+    fn fence_session(&mut self, sid: SessionId, now: u64) {
+        self.replicas.stats.fenced += 1;
+        self.replicas.unconfirmed.remove(&sid);
+        let Some(session) = self.session_mut(sid) else {
+            return;
+        };
+        session.stamp = None;
+        session.pending_will = None;
+        let client = session.client_id.clone();
+        if let Some(conn) = session.conn {
+            if let Some(c) = self.conn_mut(conn) {
+                c.will = None;
+            }
+            self.close(
+                conn,
+                Some(0x8E),
+                "session lives on another node",
+                false,
+                now,
+            );
+        }
+        self.unpersist_session(sid);
+        self.remove_session(sid);
+        self.event(
+            "session_fenced",
+            client,
+            "a newer version of the session lives on another node".into(),
+        );
+    }
+
+    /// A session restored at start-up in a cluster: until the owners of its partition
+    /// confirm that no newer version lives elsewhere (or the takeover time passes), what is
+    /// delivered to it waits.
+    pub(super) fn restored_unconfirmed(&mut self, sid: SessionId, now: u64) {
+        let until = now + self.cfg.cluster_takeover_ms;
+        self.replicas.unconfirmed.insert(
+            sid,
+            Unconfirmed {
+                answered: Vec::new(),
+                held: Vec::new(),
+                until,
+            },
+        );
+    }
+
+    /// Whether deliveries to `sid` wait for its confirmation.
+    pub(super) fn unconfirmed(&self, sid: SessionId) -> bool {
+        !self.replicas.unconfirmed.is_empty() && self.replicas.unconfirmed.contains_key(&sid)
+    }
+
+    /// Keeps a delivery to an unconfirmed session (see `restored_unconfirmed`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn hold_for_confirm(
+        &mut self,
+        sid: SessionId,
+        msg: &Arc<Message>,
+        qos: QoS,
+        retain: bool,
+        sub_ids: Vec<u32>,
+        plain: bool,
+        scope: Scope<'_>,
+    ) {
+        let (from, also) = match scope {
+            Scope::Forwarded { from, also, .. } => (Some(from), also.to_vec()),
+            Scope::Origin => (None, Vec::new()),
+        };
+        let from_home = from.is_some()
+            && self
+                .session(sid)
+                .and_then(|s| self.replicas.installed.get(&s.client_id))
+                .copied()
+                == from;
+        if let Some(u) = self.replicas.unconfirmed.get_mut(&sid) {
+            u.held.push(HeldMessage {
+                msg: msg.clone(),
+                qos,
+                retain,
+                sub_ids,
+                plain,
+                from,
+                from_home,
+                also,
+            });
+        }
+    }
+
+    /// Confirms `sid` if every other owner of its partition answered.
+    fn confirm_if_answered(&mut self, sid: SessionId, now: u64) {
+        let Some(map) = self.replicas.map.as_ref() else {
+            return;
+        };
+        let (Some(u), Some(s)) = (self.replicas.unconfirmed.get(&sid), self.session(sid)) else {
+            return;
+        };
+        let all = map
+            .owners(&s.client_id)
+            .iter()
+            .all(|&p| p == THIS_NODE || u.answered.contains(&p));
+        if all {
+            self.confirm(sid, now);
+        }
+    }
+
+    /// `sid` is the newest version of its session: what waited for it is delivered.
+    fn confirm(&mut self, sid: SessionId, now: u64) {
+        let Some(u) = self.replicas.unconfirmed.remove(&sid) else {
+            return;
+        };
+        for h in u.held {
+            self.deliver(sid, &h.msg, h.qos, h.retain, h.sub_ids, now);
+        }
+    }
+
+    /// A claim of this node brings session `client_id` from `peer` while an unconfirmed
+    /// version of it is here: the one brought wins (it is newer), and what waited here goes
+    /// to it unless `peer` had it. Returns those messages, to deliver once installed.
+    pub(super) fn replace_unconfirmed(
+        &mut self,
+        client_id: &str,
+        peer: PeerId,
+        now: u64,
+    ) -> Vec<HeldMessage> {
+        let Some(&sid) = self.by_client.get(client_id) else {
+            return Vec::new();
+        };
+        if !self.unconfirmed(sid) {
+            return Vec::new();
+        }
+        let held = self
+            .replicas
+            .unconfirmed
+            .get_mut(&sid)
+            .map(|u| std::mem::take(&mut u.held))
+            .unwrap_or_default();
+        self.fence_session(sid, now);
+        let key = self.cluster.peer_key(peer);
+        self.replicas.installed.remove(client_id);
+        held.into_iter()
+            .filter(|h| {
+                !((h.from == Some(peer) && h.from_home) || (h.plain && h.also.contains(&key)))
+            })
+            .collect()
+    }
+
+    /// Tells peer `peer` (its link just came up) the versions of the sessions here whose
+    /// partition it owns.
+    pub(super) fn queue_copy_checks(&mut self, peer: PeerId) {
+        let Some(map) = self.replicas.map.as_ref() else {
+            return;
+        };
+        let mut checks = Vec::new();
+        for (client, &sid) in &self.by_client {
+            let Some(stamp) = self.session(sid).filter(|s| s.stored).and_then(|s| s.stamp) else {
+                continue;
+            };
+            if map.owners(client).contains(&peer) {
+                checks.push((client.clone(), stamp));
+            }
+        }
+        for (client, stamp) in checks {
+            self.cluster.queue_copy_check(peer, &client, stamp);
+        }
+    }
+
+    /// A claim for `client_id`, which has no session here: if this node holds its copy and
+    /// the home is down, the copy is read back to answer it (true: the answer will follow).
+    pub(super) fn claim_from_copy(
+        &mut self,
+        peer: PeerId,
+        client_id: &str,
+        stamp: Stamp,
+        discard: bool,
+    ) -> bool {
+        let Some(copy) = self.replicas.copies.get(client_id) else {
+            return false;
+        };
+        if self
+            .cluster
+            .peer_id_of(&copy.home)
+            .is_some_and(|h| self.cluster.peer_up(h))
+        {
+            // Its home is up and answers the claim itself.
+            return false;
+        }
+        if discard {
+            // A clean start ends the session: the copy goes with it.
+            self.drop_copy(client_id);
+            return false;
+        }
+        let client: Arc<str> = Arc::from(client_id);
+        if self
+            .replicas
+            .wanted
+            .insert(client.clone(), Use::Claim { peer, stamp })
+            .is_none()
+        {
+            self.replicas.loads.push(client);
+        }
+        true
+    }
+
+    /// Looks for copies whose home has been down for the takeover time and that this node
+    /// is the first owner up to take over (at most once per down period of a peer).
+    pub(super) fn replicas_tick(&mut self, now: u64) {
+        if !self.replicas.unconfirmed.is_empty() {
+            let due: Vec<SessionId> = self
+                .replicas
+                .unconfirmed
+                .iter()
+                .filter(|(_, u)| now >= u.until)
+                .map(|(&sid, _)| sid)
+                .collect();
+            for sid in due {
+                self.confirm(sid, now);
+            }
+        }
+        let after = self.cfg.cluster_takeover_ms;
+        if after == 0 || self.replicas.map.is_none() || self.replicas.copies.is_empty() {
+            return;
+        }
+        let dead = self.cluster.down_longer_than(after, now);
+        let fresh = dead.iter().any(|p| !self.replicas.swept.contains(p));
+        self.replicas.swept.retain(|p| dead.contains(p));
+        if !fresh && !std::mem::take(&mut self.replicas.sweep_due) {
+            return;
+        }
+        self.replicas.swept.extend(dead.iter().copied());
+        let map = self.replicas.map.as_ref().expect("checked");
+        let mut take = Vec::new();
+        for (client, copy) in &self.replicas.copies {
+            if self.replicas.wanted.contains_key(client) {
+                continue;
+            }
+            let home = self.cluster.peer_id_of(&copy.home);
+            // A home that left the cluster (no longer a peer) is dead too.
+            if home.is_some_and(|h| !dead.contains(&h)) {
+                continue;
+            }
+            let first = map
+                .owners(client)
+                .iter()
+                .copied()
+                .filter(|&p| Some(p) != home)
+                .find(|&p| p == THIS_NODE || self.cluster.peer_up(p));
+            if first == Some(THIS_NODE) {
+                take.push(client.clone());
+            }
+        }
+        for client in take {
+            self.replicas.wanted.insert(client.clone(), Use::Takeover);
+            self.replicas.loads.push(client);
+        }
+    }
+
+    pub fn has_copy_loads(&self) -> bool {
+        !self.replicas.loads.is_empty()
+    }
+
+    /// The store keys of each copy to read back (`copy_loaded` takes them).
+    pub fn copy_loads(&mut self) -> Vec<(Arc<str>, Vec<Vec<u8>>)> {
+        let loads = std::mem::take(&mut self.replicas.loads);
+        loads
+            .into_iter()
+            .filter_map(|client| {
+                let copy = self.replicas.copies.get(&client)?;
+                let keys = copy
+                    .keys
+                    .iter()
+                    .map(|k| records::copy_key(&client, k))
+                    .collect();
+                Some((client, keys))
+            })
+            .collect()
+    }
+
+    /// The records of `client_id`'s copy, read back (`None`: missing): a claim is answered
+    /// with them, or the session is installed here (its home is dead). Returns problems.
+    pub fn copy_loaded(
+        &mut self,
+        client_id: &str,
+        recs: &[(&[u8], Option<&[u8]>)],
+        now: u64,
+    ) -> Vec<String> {
+        self.last_now = now;
+        let mut problems = Vec::new();
+        let Some(want) = self.replicas.wanted.remove(client_id) else {
+            return problems;
+        };
+        let prefix = records::copy_key(client_id, b"").len();
+        let mut inner: Vec<(Vec<u8>, Vec<u8>)> = Vec::with_capacity(recs.len());
+        for &(key, value) in recs {
+            let Some(value) = value else {
+                problems.push(format!("a copy record of {client_id} is missing"));
+                continue;
+            };
+            let own = key[prefix.min(key.len())..].to_vec();
+            if let Err(e) = envelope::open(&own, value) {
+                problems.push(format!("a copy record of {client_id} is damaged: {e}"));
+                continue;
+            }
+            inner.push((own, value.to_vec()));
+        }
+        match want {
+            Use::Claim { peer, stamp } => {
+                self.replicas.stats.claims_served += 1;
+                self.drop_copy(client_id);
+                self.cluster
+                    .queue_claim_answer(peer, client_id, stamp, &inner);
+                // Kept on disk in the same write that deletes the copy.
+                self.cluster.seal_for(peer);
+                self.store_outgoing(peer);
+            }
+            Use::Takeover => {
+                if self.by_client.contains_key(client_id) {
+                    return problems;
+                }
+                self.replicas.stats.takeovers += 1;
+                let pairs: Vec<(&[u8], &[u8])> =
+                    inner.iter().map(|(k, v)| (&k[..], &v[..])).collect();
+                self.install_session(client_id, &pairs, now);
+                self.event(
+                    "session_taken_over",
+                    Arc::from(client_id),
+                    "its home node is down: installed from the copy here".into(),
+                );
+            }
+        }
+        problems
+    }
+
+    /// Session `sid` was just installed here from records another node made: it gets a new
+    /// version, and the owners a full copy of it (any copy here goes).
+    pub(super) fn installed(&mut self, sid: SessionId, now: u64) {
+        let Some(client) = self.session(sid).map(|s| s.client_id.clone()) else {
+            return;
+        };
+        self.drop_copy(&client);
+        self.replicas.installed.remove(&client);
+        // In the peers' batch order: what this node routes from now on reaches the session.
+        self.cluster.queue_installed(&client);
+        if self.cluster.epoch_of() == 0 {
+            return;
+        }
+        let stamp = self.cluster.retained.next(self.wall(now));
+        self.session_mut(sid).expect("checked").stamp = Some(stamp);
+        self.copy_session(sid, None, now);
+    }
+}
