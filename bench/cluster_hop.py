@@ -107,8 +107,14 @@ def make_link_certs(directory: Path) -> dict[str, dict[str, str]]:
     return out
 
 
-def start_cluster(base: Path, tls: dict[str, dict[str, str]] | None, nodes: int = 3) -> Setup:
-    """`nodes` nodes on 127.0.0.1, started at once; returns once every data link is up."""
+def start_cluster(
+    base: Path,
+    tls: dict[str, dict[str, str]] | None,
+    nodes: int = 3,
+    settings: dict[str, Any] | None = None,
+) -> Setup:
+    """`nodes` nodes on 127.0.0.1, started at once, with these extra [cluster] `settings`;
+    returns once every data link is up."""
     ports = [(bench.free_port(), bench.free_port(), bench.free_port()) for _ in range(nodes)]
     seed = f"{HOST}:{ports[0][1]}"
     procs, addrs, admins = [], [], []
@@ -121,6 +127,7 @@ def start_cluster(base: Path, tls: dict[str, dict[str, str]] | None, nodes: int 
             f'secret = "{SECRET}"',
             *([f'join = ["{seed}"]'] if i > 1 else []),
             *(f"{k} = {json.dumps(v)}" for k, v in (tls or {}).get(f"n{i}", {}).items()),
+            *(f"{k} = {json.dumps(v)}" for k, v in (settings or {}).items()),
             "[admin]",
             "enabled = true",
             f'host = "{HOST}"',
