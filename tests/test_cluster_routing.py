@@ -914,6 +914,7 @@ def test_sessions_of_a_killed_node_live_on_with_every_acknowledged_message_and_o
         # Acknowledged means a copy on another owner: none of them had to wait for a
         # missing one.
         assert metric(n1, "cluster_degraded_acks_total") == 0
+        assert metric(n1, "cluster_copy_ops_sent_total") >= 300
         n1.kill()
         killed = time.monotonic()
 

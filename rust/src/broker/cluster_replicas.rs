@@ -548,33 +548,15 @@ impl Engine {
     /// this node started (and `to` did not get itself) goes there, then its subscriptions
     /// relay there for a while. No will: the session lives on there.
     fn give_up(&mut self, sid: SessionId, to: PeerId, now: u64) {
-        self.replicas.stats.fenced += 1;
         let held = self
             .replicas
             .unconfirmed
             .remove(&sid)
             .map(|u| u.held)
             .unwrap_or_default();
-        let Some(session) = self.session_mut(sid) else {
+        let Some(client) = self.retire(sid, now) else {
             return;
         };
-        // Its records go here only: the owners hold the newer version's.
-        session.stamp = None;
-        session.pending_will = None;
-        let client = session.client_id.clone();
-        if let Some(conn) = session.conn {
-            if let Some(c) = self.conn_mut(conn) {
-                c.will = None;
-            }
-            self.close(
-                conn,
-                Some(0x8E),
-                "session lives on another node",
-                false,
-                now,
-            );
-        }
-        self.claims.won.remove(&sid);
         let key = self.cluster.peer_key(to);
         self.replicas.installed.remove(&client);
         for h in held {
@@ -596,11 +578,25 @@ impl Engine {
 
     /// Drops session `sid` here, without a will: a newer version of it lives elsewhere.
     fn fence_session(&mut self, sid: SessionId, now: u64) {
-        self.replicas.stats.fenced += 1;
         self.replicas.unconfirmed.remove(&sid);
-        let Some(session) = self.session_mut(sid) else {
+        let Some(client) = self.retire(sid, now) else {
             return;
         };
+        self.unpersist_session(sid);
+        self.remove_session(sid);
+        self.event(
+            "session_fenced",
+            client,
+            "a newer version of the session lives on another node".into(),
+        );
+    }
+
+    /// Session `sid` stops being this node's version of its client: no stamp (its store
+    /// operations are not copied any more), no will, its connection closed with 0x8E.
+    fn retire(&mut self, sid: SessionId, now: u64) -> Option<Arc<str>> {
+        self.replicas.stats.fenced += 1;
+        self.claims.won.remove(&sid);
+        let session = self.session_mut(sid)?;
         session.stamp = None;
         session.pending_will = None;
         let client = session.client_id.clone();
@@ -616,13 +612,7 @@ impl Engine {
                 now,
             );
         }
-        self.unpersist_session(sid);
-        self.remove_session(sid);
-        self.event(
-            "session_fenced",
-            client,
-            "a newer version of the session lives on another node".into(),
-        );
+        Some(client)
     }
 
     /// A session restored at start-up in a cluster: until the owners of its partition

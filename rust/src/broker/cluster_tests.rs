@@ -1198,6 +1198,42 @@ fn settle_and_sync(n: &mut Nodes, disks: &mut [Disk]) {
     disks.clone_from_slice(&synced);
 }
 
+/// Node 0 (dead: its links cut) comes back `later` ms after its last moment from `disk`, a
+/// new incarnation `epoch` with the takeover time `takeover_ms`, and links to every node.
+fn node0_comes_back(
+    n: &mut Nodes,
+    disk: &Disk,
+    later: u64,
+    takeover_ms: u64,
+    epoch: u64,
+) -> super::RestoreSummary {
+    let now = n.h[0].now + later;
+    let cfg = Config {
+        cluster_takeover_ms: takeover_ms,
+        ..durable()
+    };
+    let (mut h0, summary) = restart_with(disk, now, cfg);
+    h0.e.cluster_start(epoch, "node0");
+    for j in 1..n.h.len() {
+        n.peer[0][j] = h0.e.cluster_add_peer(&format!("node{j}"));
+    }
+    n.h[0] = h0;
+    protocol(n, 4);
+    set_map(n, 0, &[0, 1], 1);
+    for j in 1..n.h.len() {
+        n.heal_link(0, j);
+    }
+    summary
+}
+
+/// A persistent session on node `i` subscribed to `cmd/#` whose client went away.
+fn offline_session(n: &mut Nodes, i: usize, c: crate::codec::Connect, qos: QoS) {
+    let id = connect_on(n, i, c);
+    n.h[i].subscribe(id, "cmd/#", qos);
+    let now = n.h[i].now;
+    n.h[i].e.closed(id, now);
+}
+
 /// Does what the data plane does with `copy_loads`: reads the copies from `disk`.
 fn serve_copy_loads(h: &mut Harness, disk: &Disk) -> usize {
     let loads = h.e.copy_loads();
@@ -1220,14 +1256,12 @@ fn copy_count(disk: &Disk) -> usize {
 fn a_qos1_message_for_a_persistent_session_is_acknowledged_once_an_owner_holds_its_copy() {
     // Node 0 is the home of "dev", node 1 the other owner of its partition, node 2 publishes.
     let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
-    let dev = connect_on(
+    offline_session(
         &mut n,
         0,
         super::tests::connect("dev", Protocol::V311, false),
+        QoS::AtLeastOnce,
     );
-    n.h[0].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
-    let now = n.h[0].now;
-    n.h[0].e.closed(dev, now);
     settle_and_sync(&mut n, &mut disks);
     // The session record is copied to node 1 (with its meta record), nowhere else.
     assert_eq!(copy_count(&disks[1]), 2);
@@ -1289,14 +1323,12 @@ fn a_qos1_message_for_a_persistent_session_is_acknowledged_once_an_owner_holds_i
 #[test]
 fn a_client_whose_home_died_resumes_on_another_node_from_the_copy() {
     let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
-    let dev = connect_on(
+    offline_session(
         &mut n,
         0,
         super::tests::connect("dev", Protocol::V311, false),
+        QoS::ExactlyOnce,
     );
-    n.h[0].subscribe(dev, "cmd/#", QoS::ExactlyOnce);
-    let now = n.h[0].now;
-    n.h[0].e.closed(dev, now);
     let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
     settle_and_sync(&mut n, &mut disks);
     n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
@@ -1320,18 +1352,8 @@ fn a_client_whose_home_died_resumes_on_another_node_from_the_copy() {
     assert_eq!(n.h[1].e.replica_stats().copies, 1);
     // Node 0 comes back from its disk: node 1 tells it that a newer version lives
     // elsewhere, and node 0 drops its own (no second session, no second delivery).
-    let now = n.h[0].now + 1_000;
-    let (mut h0, summary) = restart_with(&disks[0], now, durable());
+    let summary = node0_comes_back(&mut n, &disks[0], 1_000, 0, 555);
     assert_eq!(summary.sessions, 1);
-    h0.e.cluster_start(555, "node0");
-    for j in 1..3 {
-        n.peer[0][j] = h0.e.cluster_add_peer(&format!("node{j}"));
-    }
-    n.h[0] = h0;
-    protocol(&mut n, 4);
-    set_map(&mut n, 0, &[0, 1], 1);
-    n.heal_link(0, 1);
-    n.heal_link(0, 2);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(n.h[0].e.session_count(), 0);
     assert_eq!(n.h[0].e.replica_stats().fenced, 1);
@@ -1383,22 +1405,8 @@ fn a_dead_homes_session_is_taken_over_once_and_its_will_published_once() {
     assert!(!n.h[1].e.has_copy_loads());
     // Node 0 comes back: its own will for the lamp waits for the takeover time, and the
     // fence from node 1 drops the session before it fires.
-    let now = n.h[0].now + 20_000;
-    let cfg = Config {
-        cluster_takeover_ms: 5_000,
-        ..durable()
-    };
-    let (mut h0, summary) = restart_with(&disks[0], now, cfg);
+    let summary = node0_comes_back(&mut n, &disks[0], 20_000, 5_000, 556);
     assert_eq!(summary.sessions, 1);
-    h0.e.cluster_start(556, "node0");
-    for j in 1..3 {
-        n.peer[0][j] = h0.e.cluster_add_peer(&format!("node{j}"));
-    }
-    n.h[0] = h0;
-    protocol(&mut n, 4);
-    set_map(&mut n, 0, &[0, 1], 1);
-    n.heal_link(0, 1);
-    n.heal_link(0, 2);
     settle_and_sync(&mut n, &mut disks);
     n.h[0].now += 6_000;
     let now = n.h[0].now;
@@ -1439,10 +1447,7 @@ fn a_copy_of_an_older_version_is_refused_and_its_sender_fenced() {
 #[test]
 fn a_message_published_on_the_new_home_during_its_claim_reaches_the_moved_session() {
     let (mut n, mut disks) = copying_nodes(2, &[0, 1], 0);
-    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
-    n.h[0].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
-    let now = n.h[0].now;
-    n.h[0].e.closed(dev, now);
+    offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
     let publisher = connect_on(&mut n, 1, super::tests::connect("pub", Protocol::V5, true));
     settle_and_sync(&mut n, &mut disks);
     // The client comes to node 1, and node 1 publishes to it before the session arrived:
@@ -1463,10 +1468,7 @@ fn a_message_published_on_the_new_home_during_its_claim_reaches_the_moved_sessio
 #[test]
 fn messages_kept_for_a_dead_home_reach_the_session_where_it_lives_now_when_that_node_returns() {
     let (mut n, mut disks) = copying_nodes(3, &[0, 1], 5_000);
-    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
-    n.h[0].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
-    let now = n.h[0].now;
-    n.h[0].e.closed(dev, now);
+    offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
     let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
     settle_and_sync(&mut n, &mut disks);
     // Node 0 dies; node 2 acknowledges "w1" at once, keeping it for node 0.
@@ -1490,21 +1492,7 @@ fn messages_kept_for_a_dead_home_reach_the_session_where_it_lives_now_when_that_
     // Node 0 comes back and gets both from node 2's store: its restored session holds them
     // until the owners answer, then gives way to node 2's, sending on only "w1" (node 2 had
     // routed "w2" to the session itself).
-    let now = n.h[0].now + 1_000;
-    let cfg = Config {
-        cluster_takeover_ms: 5_000,
-        ..durable()
-    };
-    let (mut h0, _) = restart_with(&disks[0], now, cfg);
-    h0.e.cluster_start(557, "node0");
-    for j in 1..3 {
-        n.peer[0][j] = h0.e.cluster_add_peer(&format!("node{j}"));
-    }
-    n.h[0] = h0;
-    protocol(&mut n, 4);
-    set_map(&mut n, 0, &[0, 1], 1);
-    n.heal_link(0, 1);
-    n.heal_link(0, 2);
+    node0_comes_back(&mut n, &disks[0], 1_000, 5_000, 557);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(payloads(&n.h[2].recv_one(back)), ["w1"]);
     assert_eq!(n.h[0].e.replica_stats().fenced, 1);
@@ -1518,28 +1506,14 @@ fn messages_kept_for_a_dead_home_reach_the_session_where_it_lives_now_when_that_
 #[test]
 fn a_restored_session_nobody_took_over_is_confirmed_and_gets_what_waited() {
     let (mut n, mut disks) = copying_nodes(2, &[0, 1], 5_000);
-    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
-    n.h[0].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
-    let now = n.h[0].now;
-    n.h[0].e.closed(dev, now);
+    offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
     let publisher = connect_on(&mut n, 1, super::tests::connect("pub", Protocol::V5, true));
     settle_and_sync(&mut n, &mut disks);
     n.cut_link(0, 1);
     n.h[1].publish(publisher, "cmd/dev", "kept", QoS::AtLeastOnce, false);
     settle_and_sync(&mut n, &mut disks);
     // Node 0 returns before anyone took the session over: node 1 confirms its version.
-    let now = n.h[0].now + 1_000;
-    let cfg = Config {
-        cluster_takeover_ms: 5_000,
-        ..durable()
-    };
-    let (mut h0, _) = restart_with(&disks[0], now, cfg);
-    h0.e.cluster_start(558, "node0");
-    n.peer[0][1] = h0.e.cluster_add_peer("node1");
-    n.h[0] = h0;
-    protocol(&mut n, 4);
-    set_map(&mut n, 0, &[0, 1], 1);
-    n.heal_link(0, 1);
+    node0_comes_back(&mut n, &disks[0], 1_000, 5_000, 558);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(n.h[0].e.replica_stats().fenced, 0);
     let back = n.h[0].open_connect(persistent_v5("dev"));

@@ -277,6 +277,23 @@ pub struct StoredSession {
     pub stamp: Option<Stamp>,
 }
 
+/// A cluster version appended to a record (absent in older records and on a single node).
+fn write_stamp(w: &mut Writer, stamp: Option<Stamp>) {
+    if let Some(s) = stamp {
+        w.u64(s.clock).u64(s.node);
+    }
+}
+
+fn read_stamp(r: &mut Reader<'_>) -> Result<Option<Stamp>, BodyError> {
+    if r.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(Stamp {
+        clock: r.u64()?,
+        node: r.u64()?,
+    }))
+}
+
 fn write_will(w: &mut Writer, will: &LastWill) {
     w.bytes(will.topic.as_bytes())
         .bytes(&will.payload)
@@ -326,9 +343,7 @@ impl StoredSession {
             }
         }
         w.opt_u64(self.will_at_wall);
-        if let Some(s) = self.stamp {
-            w.u64(s.clock).u64(s.node);
-        }
+        write_stamp(&mut w, self.stamp);
         w.buf
     }
 
@@ -364,14 +379,7 @@ impl StoredSession {
             _ => return Err(BodyError("bad will tag")),
         };
         let will_at_wall = r.opt_u64()?;
-        let stamp = if r.is_empty() {
-            None
-        } else {
-            Some(Stamp {
-                clock: r.u64()?,
-                node: r.u64()?,
-            })
-        };
+        let stamp = read_stamp(&mut r)?;
         r.finish()?;
         Ok(StoredSession {
             expiry,
@@ -403,9 +411,7 @@ impl StoredRetained {
             .u8(self.qos as u8)
             .opt_u64(self.expires_at_wall);
         write_props(&mut w, self.props.as_deref());
-        if let Some(s) = self.stamp {
-            w.u64(s.clock).u64(s.node);
-        }
+        write_stamp(&mut w, self.stamp);
         w.buf
     }
 
@@ -415,14 +421,7 @@ impl StoredRetained {
         let qos = qos(r.u8()?)?;
         let expires_at_wall = r.opt_u64()?;
         let props = read_props(&mut r, false)?;
-        let stamp = if r.is_empty() {
-            None
-        } else {
-            Some(Stamp {
-                clock: r.u64()?,
-                node: r.u64()?,
-            })
-        };
+        let stamp = read_stamp(&mut r)?;
         r.finish()?;
         Ok(StoredRetained {
             payload,
