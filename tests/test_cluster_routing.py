@@ -826,6 +826,102 @@ def test_a_session_moving_mid_stream_loses_nothing_acknowledged(nodes):
     publisher.disconnect()
 
 
+class Qos2Receiver:
+    """A raw MQTT 3.1.1 persistent subscriber that keeps its QoS 2 state across connections,
+    as the protocol requires of a client: a message is taken at its first PUBLISH, and a
+    PUBLISH with a packet id awaiting PUBREL is the same message again (not taken twice)."""
+
+    def __init__(self, client_id: str, topic: str) -> None:
+        self.client_id, self.topic = client_id, topic
+        self.got: list[bytes] = []
+        self.awaiting_pubrel: set[int] = set()
+        self.sock: socket.socket | None = None
+        self.reader: r.Reader | None = None
+
+    def connect(self, node: Node, first: bool = False) -> bool:
+        sock, ack = r.connect_client(node.ip, node.mqtt_port, self.client_id, clean=False)
+        self.sock, self.reader = sock, r.Reader(sock)
+        if first:
+            sock.sendall(r.subscribe(1, [(self.topic, 2)]))
+            while self.reader.read().type != r.SUBACK:
+                pass
+        return ack.session_present
+
+    def pump(self, seconds: float) -> None:
+        assert self.sock is not None and self.reader is not None
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            for p in self.reader.read_available(min(left, 0.05)):
+                if p.type == r.PUBLISH:
+                    pub = r.parse_publish(p)
+                    assert pub.qos == 2 and pub.packet_id is not None
+                    if pub.packet_id not in self.awaiting_pubrel:
+                        self.got.append(pub.payload)
+                        self.awaiting_pubrel.add(pub.packet_id)
+                    self.sock.sendall(r.pubrec(pub.packet_id))
+                elif p.type == r.PUBREL:
+                    pid, _ = r.parse_ack(p)
+                    self.awaiting_pubrel.discard(pid)
+                    self.sock.sendall(r.pubcomp(pid))
+
+    def drop(self) -> None:
+        """The connection ends without DISCONNECT, whatever is in flight."""
+        assert self.sock is not None
+        self.sock.close()
+        self.sock = self.reader = None
+
+
+@pytest.mark.skipif(
+    not os.environ.get("FASTBROKER_STRESS"),
+    reason="stress run, out of CI (FASTBROKER_STRESS=1): reproduces a known duplicate",
+)
+def test_a_session_moving_mid_qos2_stream_gets_every_message_exactly_once_in_order(nodes):
+    """A QoS 2 stream from n3 (each publish completed, PUBCOMP, before the next) while its
+    persistent subscriber hops between n1 and n2, its connection cut wherever the QoS 2
+    exchanges stand: every message exactly once, in publish order.
+
+    Out of CI: it passes in most runs (14 of 15 on 2026-11-26) but a session that comes
+    back to a node while that node's relay for it is still on can get a message twice
+    (through the relay's early buffer and in the records handed over), which for QoS 2
+    breaks exactly-once; message ids (issue 16) will remove it. Run it with
+    `FASTBROKER_STRESS=1 pytest tests/test_cluster_routing.py -k mid_qos2`."""
+    n1, n2, n3 = nodes
+    cid, topic = unique("hop2"), unique("hop2/cmd")
+    sub = Qos2Receiver(cid, topic)
+    sub.connect(n1, first=True)
+    wait_rows(n3, "n1", 1)
+    publisher = Client(endpoint(n3), client_id=unique("h2pub"), version=5)
+    publisher.connect()
+    sent: list[bytes] = []
+
+    def publish() -> None:
+        for i in range(150):
+            publisher.publish(topic, i.to_bytes(4, "big"), qos=2, timeout=10.0)
+            sent.append(i.to_bytes(4, "big"))
+            time.sleep(0.002)
+
+    sender = threading.Thread(target=publish)
+    sender.start()
+    hops = 0
+    while sender.is_alive() and hops < 12:
+        sub.pump(0.15)
+        sub.drop()
+        hops += 1
+        assert sub.connect((n2, n1)[hops % 2])
+    sender.join(60)
+    assert len(sent) == 150 and hops >= 3
+    deadline = time.monotonic() + 10
+    while len(sub.got) < len(sent) and time.monotonic() < deadline:
+        sub.pump(0.3)
+    sub.pump(0.5)
+    got = [int.from_bytes(g, "big") for g in sub.got]
+    assert sorted(set(got)) == list(range(150)), f"missing over {hops} hops"
+    assert len(got) == len(set(got)), f"delivered twice over {hops} hops"
+    assert got == sorted(got), f"out of order over {hops} hops: {got}"
+    sub.drop()
+    publisher.disconnect()
+
+
 def test_racing_connects_with_one_client_id_on_three_nodes_leave_one(nodes):
     cid = unique("race")
     clients = [
@@ -915,6 +1011,13 @@ def test_sessions_of_a_killed_node_live_on_with_every_acknowledged_message_and_o
         # missing one.
         assert metric(n1, "cluster_degraded_acks_total") == 0
         assert metric(n1, "cluster_copy_ops_sent_total") >= 300
+
+        # Cluster status shows the copies each node holds (from its pings): dev, lamp and
+        # brief are each copied to at least one other owner.
+        def copies() -> int:
+            return sum(m["copies"] or 0 for m in n2.request("GET", "/cluster/status")["members"])
+
+        wait_for(lambda: copies() >= 3, 5, "copies in cluster status", n2)
         n1.kill()
         killed = time.monotonic()
 

@@ -228,9 +228,11 @@ def status(admin: str, as_json: bool, partitions: bool) -> None:
         f"asked node {data['node_id']}: {raft.get('role')}, term {raft.get('term')}, "
         f"leader {data.get('leader') or 'unknown'}{pending}"
     )
-    rows = [("NODE", "ADDRESS", "STATE", "ROLE", "CLIENTS", "SESSIONS", "PRIMARY", "FOLLOWER")]
+    rows = [
+        ("NODE", "ADDRESS", "STATE", "ROLE", "CLIENTS", "SESSIONS", "COPIES", "PRIMARY", "FOLLOWER")
+    ]
     for m in data["members"]:
-        clients, sessions = m.get("clients"), m.get("sessions")
+        clients, sessions, copies = m.get("clients"), m.get("sessions"), m.get("copies")
         rows.append(
             (
                 m["node_id"],
@@ -239,6 +241,7 @@ def status(admin: str, as_json: bool, partitions: bool) -> None:
                 "leader" if m["leader"] else "follower",
                 "?" if clients is None else str(clients),
                 "?" if sessions is None else str(sessions),
+                "?" if copies is None else str(copies),
                 str(len(m["primary"])),
                 str(len(m["follower"])),
             )

@@ -141,6 +141,7 @@ class PeerView:
         "clients",
         "cluster_id",
         "config_index",
+        "copies",
         "last_seen",
         "leader",
         "member_ids",
@@ -151,6 +152,7 @@ class PeerView:
         self.last_seen = 0
         self.clients: int | None = None
         self.sessions: int | None = None
+        self.copies: int | None = None
         self.address: str | None = None
         self.cluster_id: str | None = None
         self.config_index = 0
@@ -223,8 +225,8 @@ class ClusterNode:
         # Peers ping every heartbeat: a link silent this long is half-open (peer gone).
         self.transport.idle_timeout_s = settings.failure_timeout_ms / 1000
         self.dataplane: DataPlane | None = None
-        # (clients connected, sessions held, when) at the last count.
-        self.clients_counted = (0, 0, -1_000_000)
+        # (clients connected, sessions held, copies held, when) at the last count.
+        self.clients_counted = (0, 0, 0, -1_000_000)
         if engine is not None and server is not None:
             self.dataplane = DataPlane(engine, server, self.transport)
             self.transport.on_data_up = self.dataplane.link_up
@@ -706,6 +708,7 @@ class ClusterNode:
             "address": self.advertise,
             "clients": self.clients(),
             "sessions": self.sessions(),
+            "copies": self.count_clients()[2],
         }
         for peer in self.transport.connected():
             self.transport.send(peer, PING, ping)
@@ -727,6 +730,8 @@ class ClusterNode:
         view.clients = clients if type(clients) is int else None
         sessions = ping.get("sessions")
         view.sessions = sessions if type(sessions) is int else None
+        copies = ping.get("copies")
+        view.copies = copies if type(copies) is int else None
         members = ping.get("members")
         view.member_ids = (
             tuple(m for m in members if isinstance(m, str)) if isinstance(members, list) else ()
@@ -792,18 +797,21 @@ class ClusterNode:
         """The data plane's counters of each peer link, by node id."""
         return self.dataplane.stats() if self.dataplane is not None else {}
 
-    def count_clients(self) -> tuple[int | None, int | None]:
+    def count_clients(self) -> tuple[int | None, int | None, int | None]:
+        """(clients connected, sessions held, sessions of other nodes copied here)."""
         if self.dataplane is None:
-            return None, None
+            return None, None, None
         now = monotonic_ms()
-        if now - self.clients_counted[2] >= 1000:
-            stats = self.dataplane.engine.stats()
+        if now - self.clients_counted[3] >= 1000:
+            engine = self.dataplane.engine
+            stats = engine.stats()
             self.clients_counted = (
                 int(stats["clients_connected"]),
                 int(stats["sessions"]),
+                int(engine.replica_stats()["copies"]),
                 now,
             )
-        return self.clients_counted[0], self.clients_counted[1]
+        return self.clients_counted[0], self.clients_counted[1], self.clients_counted[2]
 
     def retained_pending(self, reachable_only: bool) -> list[str]:
         """Other nodes whose retained set has not arrived since their link came up: members
@@ -858,10 +866,11 @@ class ClusterNode:
                 seen: int | None = None
                 clients = view.clients if view is not None else None
                 sessions = view.sessions if view is not None else None
+                copies = view.copies if view is not None else None
                 if member == self.node_id:
                     state = "self"
                     seen = 0
-                    clients, sessions = self.count_clients()
+                    clients, sessions, copies = self.count_clients()
                 elif member in self.transport.links and view is not None:
                     seen = now - view.last_seen
                     state = "alive" if seen < self.settings.failure_timeout_ms else "suspect"
@@ -877,6 +886,7 @@ class ClusterNode:
                         "leader": member == raft.leader_id,
                         "clients": clients,
                         "sessions": sessions,
+                        "copies": copies,
                         "primary": self.map.primaries_of(member),
                         "follower": self.map.followers_of(member),
                     }
