@@ -138,9 +138,9 @@ struct Peer {
     /// The peer's incarnation and the last of its reliable batches applied here.
     recv_epoch: u64,
     recv_seq: u64,
-    /// Batches of the peer applied here whose acknowledgement waits for the copies they
-    /// made (their seq, and the (peer, batch) pairs): the peer is told only of what is
-    /// below the first of them.
+    /// Batches of the peer applied here whose copies are not all acknowledged (their seq,
+    /// and the (peer, batch) pairs): the peer's `Safe` stops below the first of them (its
+    /// acknowledgement does not: it says applied only).
     recv_held: VecDeque<(u64, Vec<(PeerId, u64)>)>,
     /// The last `Safe` told the peer, and the last it told us (of our incarnation).
     safe_sent: u64,
@@ -1336,8 +1336,7 @@ impl Engine {
             }
             peer.recv_seq = h.seq;
         }
-        // Copies this batch makes (messages stored for persistent sessions) hold its
-        // acknowledgement.
+        // Copies this batch makes (messages stored for persistent sessions) hold its `Safe`.
         self.replicas.start();
         let c = &mut self.cluster;
         let peer = c.peer_mut(id).expect("checked");

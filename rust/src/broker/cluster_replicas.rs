@@ -8,10 +8,12 @@
 //!   a copy key (`c`), and acknowledges the batch only once it is written, like any batch.
 //! - **Acknowledged means copied.** A QoS 1/2 publish whose message was stored for a
 //!   persistent session gets its PUBACK/PUBREC once `ack_replicas - 1` owners that are up
-//!   have the copy (`waits`, held like forwarded messages' acknowledgements). A message
-//!   forwarded by another node is acknowledged to that node on the same condition, so the
-//!   publisher's PUBACK waits for the copy too. With no owner up, the copy waits in this
-//!   node's stored queue for them and the acknowledgement is counted as degraded.
+//!   have the copy (`waits`, held like forwarded messages' acknowledgements). A batch
+//!   forwarded by another node is acknowledged as soon as it is applied (acknowledgements
+//!   never wait for copies, or two owners copying to each other would wait on each other
+//!   for good); a `Safe` item tells that node once its copies are acknowledged too, and its
+//!   publishers' PUBACKs wait for that. With no owner up, the copy waits in this node's
+//!   stored queue for them and the acknowledgement is counted as degraded.
 //! - **Versions.** A session carries a stamp (the hybrid clock of the node that made it live
 //!   there), stored in its record and moved with it; every copy item carries it. An owner
 //!   keeps the copy of the newest version only: a newer one replaces the copy, an older one
