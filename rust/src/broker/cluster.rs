@@ -1436,6 +1436,8 @@ impl Engine {
                 }
             }
         }
+        // A copy handed over or replaced by this batch answers the claims that waited on it.
+        self.watch_copies(now);
         let waits = std::mem::take(&mut self.replicas.waits);
         if h.seq != 0 && !waits.is_empty() {
             let peer = self.cluster.peer_mut(id).expect("checked");

@@ -22,7 +22,9 @@
 //!   sessions (`CopyCheck`), so a node back from the dead learns which of its sessions live
 //!   elsewhere now.
 //! - **A dead home.** A claim for a client whose home is down is answered from the copy
-//!   (read back from the store). A home down for the takeover time (the failure timeout) has
+//!   (read back from the store), also the claimant's own copy. An owner that still sees the
+//!   home up holds its answer until the home hands the session over or goes down (a killed
+//!   home's claimant may notice first). A home down for the takeover time (the failure timeout) has
 //!   its sessions taken over by the first owner that is up: it installs the copy as a
 //!   disconnected session, so the will of a connection that died with its node is published
 //!   (after its delay) and expiry is counted, once.
@@ -91,12 +93,30 @@ struct Unconfirmed {
     until: u64,
 }
 
+/// A claim for a client whose copy this node holds while its home is still up here: its
+/// answer waits until the home hands the session over (the copy goes or is replaced: none),
+/// the home goes down (answered from the copy), or `WATCH_MS` passed (none). A claimant
+/// may see a killed home go down before this node does; answering "none" at once would
+/// lose the session.
+struct Watch {
+    peer: PeerId,
+    client: Arc<str>,
+    stamp: Stamp,
+    copy: Stamp,
+    until: u64,
+}
+
+/// Shorter than the claimant's own wait for a silent peer (`CLAIM_TIMEOUT_MS`, 3 s).
+const WATCH_MS: u64 = 2_000;
+
 /// What a copy is being read back from the store for.
 enum Use {
     /// Answer the claim of `peer` with `stamp`.
     Claim { peer: PeerId, stamp: Stamp },
     /// Install it here: its home is dead.
     Takeover,
+    /// Answer this node's own claim: its home is dead, and this node an owner.
+    Own,
 }
 
 #[derive(Default, Clone, Copy, Debug, PartialEq, Eq)]
@@ -129,6 +149,7 @@ pub(super) struct Replicas {
     /// Copies being read back, and what for.
     wanted: HashMap<Arc<str>, Use>,
     loads: Vec<Arc<str>>,
+    watching: Vec<Watch>,
     /// The (peer, batch) pairs copies of the publish being handled went in: its
     /// acknowledgement waits for them.
     pub(super) waits: Vec<(PeerId, u64)>,
@@ -751,24 +772,27 @@ impl Engine {
         }
     }
 
-    /// A claim for `client_id`, which has no session here: if this node holds its copy and
-    /// the home is down, the copy is read back to answer it (true: the answer will follow).
+    /// A claim for `client_id`, which has no session here: if this node holds its copy, the
+    /// copy is read back to answer it once the home is down, or the answer waits while the
+    /// home is up (`Watch`). True: the answer will follow.
     pub(super) fn claim_from_copy(
         &mut self,
         peer: PeerId,
         client_id: &str,
         stamp: Stamp,
         discard: bool,
+        now: u64,
     ) -> bool {
         let Some(copy) = self.replicas.copies.get(client_id) else {
             return false;
         };
-        if self
+        let copy_stamp = copy.stamp;
+        let home_up = self
             .cluster
             .peer_id_of(&copy.home)
-            .is_some_and(|h| self.cluster.peer_up(h))
-        {
-            // Its home is up and answers the claim itself.
+            .is_some_and(|h| self.cluster.peer_up(h));
+        if home_up && discard {
+            // Its home ends it (and the copy with it), unless the session won a newer claim.
             return false;
         }
         if discard {
@@ -777,6 +801,20 @@ impl Engine {
             return false;
         }
         let client: Arc<str> = Arc::from(client_id);
+        if home_up {
+            // One per peer and client id (its newest claim): a peer cannot grow the list.
+            self.replicas
+                .watching
+                .retain(|w| !(w.peer == peer && w.client == client));
+            self.replicas.watching.push(Watch {
+                peer,
+                client,
+                stamp,
+                copy: copy_stamp,
+                until: now + WATCH_MS,
+            });
+            return true;
+        }
         if self
             .replicas
             .wanted
@@ -788,9 +826,65 @@ impl Engine {
         true
     }
 
+    /// This node claims `client_id` and holds its copy: if the copy's home is down (or is
+    /// `gone`), the copy is read back to answer the claim as a peer would. True: it will.
+    pub(super) fn claim_own_copy(&mut self, client_id: &str, gone: Option<PeerId>) -> bool {
+        let Some(copy) = self.replicas.copies.get(client_id) else {
+            return false;
+        };
+        let home = self.cluster.peer_id_of(&copy.home);
+        let down = match gone {
+            Some(g) => home == Some(g),
+            None => home.is_none_or(|h| !self.cluster.peer_up(h)),
+        };
+        if !down || self.by_client.contains_key(client_id) {
+            return false;
+        }
+        let client: Arc<str> = Arc::from(client_id);
+        if self.replicas.wanted.contains_key(&client) {
+            // Read back for a peer's claim already.
+            return false;
+        }
+        self.replicas.wanted.insert(client.clone(), Use::Own);
+        self.replicas.loads.push(client);
+        true
+    }
+
+    /// Answers the watched claims whose copy changed, whose home went down, or whose time
+    /// is up (see `Watch`); drops those of a claimant that went down.
+    pub(super) fn watch_copies(&mut self, now: u64) {
+        if self.replicas.watching.is_empty() {
+            return;
+        }
+        let watching = std::mem::take(&mut self.replicas.watching);
+        for w in watching {
+            if !self.cluster.peer_up(w.peer) {
+                continue;
+            }
+            let copy = self.replicas.copies.get(&w.client);
+            let same = copy.is_some_and(|c| c.stamp == w.copy);
+            let home_down = copy.is_some_and(|c| {
+                !self
+                    .cluster
+                    .peer_id_of(&c.home)
+                    .is_some_and(|h| self.cluster.peer_up(h))
+            });
+            if same && home_down {
+                self.claim_from_copy(w.peer, &w.client, w.stamp, false, now);
+            } else if same && now < w.until {
+                self.replicas.watching.push(w);
+            } else {
+                // Handed over by its home (or gone, or no word from it): nothing here.
+                self.cluster
+                    .queue_claim_answer(w.peer, &w.client, w.stamp, &[]);
+            }
+        }
+    }
+
     /// Looks for copies whose home has been down for the takeover time and that this node
     /// is the first owner up to take over (at most once per down period of a peer).
     pub(super) fn replicas_tick(&mut self, now: u64) {
+        self.watch_copies(now);
         if !self.replicas.unconfirmed.is_empty() {
             let due: Vec<SessionId> = self
                 .replicas
@@ -898,6 +992,12 @@ impl Engine {
                 // Kept on disk in the same write that deletes the copy.
                 self.cluster.seal_for(peer);
                 self.store_outgoing(peer);
+            }
+            Use::Own => {
+                self.replicas.stats.claims_served += 1;
+                let pairs: Vec<(&[u8], &[u8])> =
+                    inner.iter().map(|(k, v)| (&k[..], &v[..])).collect();
+                self.own_copy_loaded(client_id, &pairs, now);
             }
             Use::Takeover => {
                 if self.by_client.contains_key(client_id) {

@@ -36,6 +36,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::cluster::PeerId;
+use super::cluster_replicas::THIS_NODE;
 use super::connect::PendingConnect;
 use super::router::Scope;
 use super::state::{ConnState, Message, SessionId};
@@ -56,8 +57,10 @@ struct Claim {
     connect: PendingConnect,
     auth_method: Option<String>,
     auth_data: Option<Bytes>,
-    /// Peers whose answer is still awaited.
+    /// Peers whose answer is still awaited (`THIS_NODE`: this node's own copy, read back).
     waiting: Vec<PeerId>,
+    /// The claim ends the session (it wants none back).
+    discard: bool,
     deadline: u64,
     /// Messages for the session on its way here that reached this node first (through an
     /// old relay of it, or relayed before it arrived): delivered to it once installed.
@@ -141,9 +144,12 @@ impl Engine {
         // another node may have taken over meanwhile: then the newest comes here.
         let here = self.by_client.get(&client_id).copied();
         let discard = pending.connect.clean_start || here.is_some_and(|sid| !self.unconfirmed(sid));
-        let peers = self.cluster.claim_peers();
+        let mut peers = self.cluster.claim_peers();
         for &peer in &peers {
             self.cluster.queue_claim(peer, &client_id, stamp, discard);
+        }
+        if !discard && self.claim_own_copy(&client_id, None) {
+            peers.push(THIS_NODE);
         }
         self.claims.stats.made += 1;
         self.conn_mut(id).expect("caller checked").state = ConnState::AwaitClaim;
@@ -156,6 +162,7 @@ impl Engine {
                 auth_method,
                 auth_data,
                 waiting: peers,
+                discard,
                 deadline: now + CLAIM_TIMEOUT_MS,
                 early: Vec::new(),
             },
@@ -201,7 +208,7 @@ impl Engine {
     ) {
         let mut records = Vec::new();
         let sid = self.by_client.get(client_id).copied();
-        if sid.is_none() && self.claim_from_copy(peer, client_id, stamp, discard) {
+        if sid.is_none() && self.claim_from_copy(peer, client_id, stamp, discard, now) {
             // Its home is down: answered from the copy here once read back.
             return;
         }
@@ -291,6 +298,24 @@ impl Engine {
         };
         if done {
             self.finish_claim(client_id, now);
+        }
+    }
+
+    /// This node's copy of `client_id`, read back for its own claim: installed as an answer.
+    pub(super) fn own_copy_loaded(
+        &mut self,
+        client_id: &str,
+        records: &[(&[u8], &[u8])],
+        now: u64,
+    ) {
+        match self.claims.pending.get(client_id) {
+            Some(claim) => {
+                let stamp = claim.stamp;
+                self.claim_answered(THIS_NODE, client_id, stamp, records, now);
+            }
+            // The claim went on without it (its timeout): a session made meanwhile stays.
+            None if self.by_client.contains_key(client_id) => {}
+            None => self.install_session(client_id, records, now),
         }
     }
 
@@ -384,6 +409,21 @@ impl Engine {
 
     /// Peer `peer`'s link went down: claims stop waiting for it.
     pub(super) fn claims_peer_down(&mut self, peer: PeerId, now: u64) {
+        // A claim for a client of that peer whose copy is here reads it back.
+        let own: Vec<Arc<str>> = self
+            .claims
+            .pending
+            .iter()
+            .filter(|(_, c)| !c.discard && !c.waiting.contains(&THIS_NODE))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in own {
+            if self.claim_own_copy(&id, Some(peer)) {
+                if let Some(claim) = self.claims.pending.get_mut(&id) {
+                    claim.waiting.push(THIS_NODE);
+                }
+            }
+        }
         let done: Vec<Arc<str>> = self
             .claims
             .pending
@@ -397,6 +437,8 @@ impl Engine {
         for id in done {
             self.finish_claim(&id, now);
         }
+        // Claims waiting on this node's copies: a home that went down is answered for.
+        self.watch_copies(now);
     }
 
     /// Claims past their deadline go on without the missing answers; relays past theirs end.

@@ -1363,6 +1363,110 @@ fn a_client_whose_home_died_resumes_on_another_node_from_the_copy() {
 }
 
 #[test]
+fn a_claim_that_reaches_an_owner_before_it_sees_the_home_die_is_answered_from_the_copy() {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
+    offline_session(
+        &mut n,
+        0,
+        super::tests::connect("dev", Protocol::V311, false),
+        QoS::AtLeastOnce,
+    );
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    // Node 0 is killed: node 2 sees it go at once, node 1 a moment later.
+    n.cut_link(0, 2);
+    n.cut.push((0, 1));
+    let back = n.h[2].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    settle_and_sync(&mut n, &mut disks);
+    // Node 1 still sees the home up: its answer waits (an answer of "none" would lose it).
+    assert!(n.h[2].recv_one(back).is_empty());
+    assert!(!n.h[1].e.has_copy_loads());
+    let p = n.peer[1][0];
+    let now = n.h[1].now;
+    n.h[1].e.cluster_link(p, false);
+    n.h[1].e.tick(now);
+    assert_eq!(serve_copy_loads(&mut n.h[1], &disks[1]), 1);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[2].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), ["m1"]);
+}
+
+#[test]
+fn a_client_whose_home_died_resumes_on_the_owner_holding_its_copy() {
+    // Node 2 is the other owner: the copies are its own.
+    let (mut n, mut disks) = copying_nodes(3, &[0, 2], 0);
+    for id in ["dev", "dev2"] {
+        offline_session(
+            &mut n,
+            0,
+            super::tests::connect(id, Protocol::V311, false),
+            QoS::AtLeastOnce,
+        );
+    }
+    let publisher = connect_on(&mut n, 1, super::tests::connect("pub", Protocol::V5, true));
+    n.h[1].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    // dev claims on node 2, and node 0 dies before it answers.
+    let back = n.h[2].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    assert_eq!(serve_copy_loads(&mut n.h[2], &disks[2]), 1);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[2].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), ["m1"]);
+    // dev2 claims on node 2 after node 0 died.
+    let back2 = n.h[2].open_connect(super::tests::connect("dev2", Protocol::V311, false));
+    assert_eq!(serve_copy_loads(&mut n.h[2], &disks[2]), 1);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[2].recv_one(back2);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), ["m1"]);
+    assert_eq!(n.h[2].e.replica_stats().claims_served, 2);
+    assert_eq!(n.h[2].e.replica_stats().copies, 0);
+}
+
+#[test]
+fn an_owner_holding_a_copy_answers_a_claim_once_the_live_home_handed_the_session_over() {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
+    offline_session(
+        &mut n,
+        0,
+        super::tests::connect("dev", Protocol::V311, false),
+        QoS::AtLeastOnce,
+    );
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    // The home answers, and its deletes reach node 1: node 1 answers none, the claim ends
+    // with the session from node 0 and nothing read from the copy.
+    let back = n.h[2].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[2].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), ["m1"]);
+    assert!(!n.h[1].e.has_copy_loads());
+    assert_eq!(n.h[1].e.replica_stats().claims_served, 0);
+    // A home that stays silent (node 2 now: its frames are lost): node 1 answers none after
+    // its watch time, before the claimant's own timeout.
+    n.cut.push((2, 0));
+    n.cut.push((2, 1));
+    let again = n.h[0].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    n.settle();
+    assert!(n.h[0].recv_one(again).is_empty());
+    n.h[1].now += 1_999;
+    let now = n.h[1].now;
+    n.h[1].e.tick(now);
+    assert!(!n.h[1].e.has_cluster_output());
+    n.h[1].now += 1;
+    let now = n.h[1].now;
+    n.h[1].e.tick(now);
+    assert!(n.h[1].e.has_cluster_output());
+}
+
+#[test]
 fn a_dead_homes_session_is_taken_over_once_and_its_will_published_once() {
     let (mut n, mut disks) = copying_nodes(3, &[0, 1], 5_000);
     let mut c = persistent_v5("lamp");
