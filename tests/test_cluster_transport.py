@@ -126,7 +126,7 @@ def test_protocol_version_negotiated():
     ("versions", "node"),
     # A future node; one of the release before the data plane, which cannot carry routes
     # and forwarded messages.
-    [([5, 6], "future"), ([1, 1], "old")],
+    [([tr.PROTOCOL_MAX + 1, tr.PROTOCOL_MAX + 2], "future"), ([1, 1], "old")],
 )
 def test_no_common_version_is_refused_with_a_reason(versions, node):
     async def main() -> None:

@@ -389,6 +389,10 @@ struct Plan {
 pub(super) struct Cluster {
     /// This process's incarnation (0: the cluster part is off).
     epoch: u64,
+    /// The high half of the ids of messages published here (this node and incarnation),
+    /// and the counter of the low half.
+    message_origin: u64,
+    message_seq: u64,
     peers: Vec<Option<Peer>>,
     /// Remote route rows: which peers have subscribers for which filters.
     routes: SubscriptionIndex<PeerId>,
@@ -447,6 +451,15 @@ impl Cluster {
     }
 
     /// This incarnation (0: the cluster part is off).
+    /// A new cluster-wide id for a message published on this node (0 outside a cluster).
+    pub(super) fn next_message_id(&mut self) -> u128 {
+        if self.epoch == 0 {
+            return 0;
+        }
+        self.message_seq += 1;
+        (u128::from(self.message_origin) << 64) | u128::from(self.message_seq)
+    }
+
     pub(super) fn epoch_of(&self) -> u64 {
         self.epoch
     }
@@ -609,6 +622,7 @@ impl Cluster {
         if let Some(p) = msg.props.as_deref() {
             codec::encode_properties(p, &mut props).expect("routed properties encode");
         }
+        let with_id = self.peer_ref(id).is_some_and(|p| p.protocol >= 5);
         let mut message = Vec::new();
         // Not a retained write (that went to every node already): the delivery's retain
         // flag travels beside it.
@@ -624,6 +638,7 @@ impl Cluster {
                 groups: Vec::new(),
                 stamp: None,
                 also: Vec::new(),
+                id: if with_id { msg.id } else { 0 },
             },
             &mut message,
         );
@@ -821,6 +836,9 @@ impl Engine {
         self.cluster.epoch = epoch.max(1);
         self.cluster.durable = self.cfg.durable;
         self.cluster.name = Arc::from(node);
+        // The incarnation is random per start: ids never repeat across restarts.
+        let key = super::cluster_retained::node_key(node);
+        self.cluster.message_origin = (key ^ self.cluster.epoch.rotate_left(29)).max(1);
         self.cluster.start_wall = self.wall(self.last_now);
         self.retained_stamping(node);
     }
@@ -1511,7 +1529,7 @@ impl Engine {
         let mut item = std::mem::take(&mut c.scratch_item);
         // Most messages go to no shared group: one encoding then serves every peer with the
         // same plain flag.
-        let mut cached: Option<bool> = None;
+        let mut cached: Option<(bool, bool)> = None;
         // Sent plain to several nodes: each learns the others (a relay skips them). Kept
         // between calls: no allocation per message.
         let mut also = std::mem::take(&mut c.scratch_also);
@@ -1535,12 +1553,15 @@ impl Engine {
                 .filter(|(p, _)| *p == id)
                 .map(|(_, k)| &**k)
                 .collect();
-            if !groups.is_empty() || cached != Some(plain) {
-                cached = groups.is_empty().then_some(plain);
+            // Message ids are for peers of protocol 5 (older ones refuse the flag).
+            let with_id = msg.id != 0 && c.peer_ref(id).is_some_and(|p| p.protocol >= 5);
+            if !groups.is_empty() || cached != Some((plain, with_id)) {
+                cached = groups.is_empty().then_some((plain, with_id));
                 item.clear();
                 let stamp = msg.retain.then(|| c.retained.routing.unwrap_or_default());
                 let list = if plain { &mut also } else { &mut none };
-                encode_routed(msg, &props, now, plain, groups, stamp, list, &mut item);
+                let mid = if with_id { msg.id } else { 0 };
+                encode_routed(msg, &props, now, plain, groups, stamp, list, mid, &mut item);
             }
             let Some(peer) = c.peers.get_mut(usize::from(id)).and_then(Option::as_mut) else {
                 continue;
@@ -1738,6 +1759,7 @@ pub(super) fn encode_routed(
     groups: Vec<&str>,
     stamp: Option<Stamp>,
     also: &mut Vec<u64>,
+    id: u128,
     out: &mut Vec<u8>,
 ) {
     let wire = WireMessage {
@@ -1752,6 +1774,7 @@ pub(super) fn encode_routed(
         stamp,
         // Borrowed for the encoding and given back: the caller's buffer is reused.
         also: std::mem::take(also),
+        id,
     };
     batch::encode_message(&wire, out);
     *also = wire.also;
@@ -1783,5 +1806,6 @@ fn message_from_wire(m: &WireMessage<'_>, now: u64) -> Result<Message, String> {
         props,
         expires_at: m.expires_in_ms.map(|ms| now.saturating_add(ms)),
         origin: REMOTE_ORIGIN,
+        id: m.id,
     })
 }

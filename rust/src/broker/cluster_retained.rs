@@ -178,6 +178,7 @@ impl Engine {
                 Vec::new(),
                 stamp,
                 &mut Vec::new(),
+                0,
                 &mut item,
             );
             items.push(item.clone());
@@ -196,6 +197,7 @@ impl Engine {
                     groups: Vec::new(),
                     stamp: Some(stamp),
                     also: Vec::new(),
+                    id: 0,
                 },
                 &mut item,
             );

@@ -21,9 +21,16 @@
 //!   different moments. For `RELAY_MS` the old home keeps the session's subscriptions and
 //!   sends what still matches them to the new home (`SessionMessage`), except a message that
 //!   the new home routed after it installed the session (its `Installed` marker comes first
-//!   on the link) or that it also got for its own plain subscriptions (a forwarded message
-//!   lists the other nodes it went to): each message reaches the moved session once,
-//!   whatever order the row changes arrive in.
+//!   on the link), or one it sent there itself after the hand-over (same link). A message
+//!   relayed to a node the session left again goes on along that node's relay.
+//! - **Message ids** (protocol 5). Every message published in a cluster gets an id (origin
+//!   node and incarnation, counter), forwarded, relayed and stored with it. For `RECENT_MS`
+//!   after a session is installed it remembers the ids that reach it, starting with those
+//!   of its records, and takes each once: a message that reached the new home from a third
+//!   node is relayed too (only the new home knows whether it had the session then), and a
+//!   session that comes straight back gets what its old relay caught meanwhile once.
+//!   Messages from peers of protocol 4 carry none: those the new home also got for its own
+//!   subscriptions (a forwarded message lists the other nodes it went to) are not relayed.
 //!
 //! Copies of sessions on the partition's owners: `cluster_replicas`. Not yet (issue 16):
 //! claims go to every reachable node, not through the partition's primary; a node that
@@ -49,6 +56,12 @@ const CLAIM_TIMEOUT_MS: u64 = 3_000;
 /// How long the old home relays a moved session's messages: far longer than route rows take
 /// to reach every node over links that are up.
 const RELAY_MS: u64 = 5_000;
+
+/// How long a session that moved here tells messages that reach it twice by their ids:
+/// the relay's time and the same again for batches on their way.
+const RECENT_MS: u64 = 2 * RELAY_MS;
+/// Ids a moved session remembers at most (past that, a repeat can get through).
+const RECENT_MAX: usize = 1 << 16;
 
 /// A CONNECT of this node waiting for the answers to its claim.
 struct Claim {
@@ -348,6 +361,7 @@ impl Engine {
         if let Some(&sid) = self.by_client.get(client_id) {
             // A new version here, copied to the owners.
             self.installed(sid, now);
+            self.start_recent(sid, now);
         }
         if !self.cfg.durable {
             // finish_restore marks what it restores as stored; here nothing is.
@@ -357,6 +371,39 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// Session `sid` was just installed here from another node's records: for `RECENT_MS`
+    /// it remembers the ids of what reaches it, starting with those of its records.
+    fn start_recent(&mut self, sid: SessionId, now: u64) {
+        let Some(session) = self.session_mut(sid) else {
+            return;
+        };
+        let mut recent = session.recent.take().unwrap_or_default();
+        recent.until = now + RECENT_MS;
+        let ids = session.inflight.iter().map(|f| f.delivery.msg.id);
+        let ids = ids.chain(session.queue.iter().map(|d| d.msg.id));
+        recent.ids.extend(ids.filter(|&id| id != 0));
+        session.recent = Some(recent);
+    }
+
+    /// Whether message `id` reached session `sid` since it moved here (it is remembered if
+    /// not).
+    pub(super) fn seen_since_move(&mut self, sid: SessionId, id: u128, now: u64) -> bool {
+        let Some(session) = self.session_mut(sid) else {
+            return false;
+        };
+        let Some(recent) = session.recent.as_mut() else {
+            return false;
+        };
+        if now >= recent.until {
+            session.recent = None;
+            return false;
+        }
+        if recent.ids.len() >= RECENT_MAX {
+            return recent.ids.contains(&id);
+        }
+        !recent.ids.insert(id)
     }
 
     /// Every answer is in (or no more can come): the CONNECT goes on, and the newer claims
@@ -496,7 +543,30 @@ impl Engine {
     /// Session `sid` went to `peer` (its records in the batch being written): its records
     /// here go, its state is empty, its client id is free here, and its subscriptions relay
     /// to `peer` for `RELAY_MS`. No will: it lives on there.
+    /// Where this node relays `client_id`'s messages to, if anywhere.
+    fn relay_of(&self, client_id: &str) -> Option<PeerId> {
+        self.claims.relays.iter().find_map(|(&sid, &(peer, _))| {
+            self.session(sid)
+                .is_some_and(|s| &*s.client_id == client_id)
+                .then_some(peer)
+        })
+    }
+
     pub(super) fn hand_over(&mut self, sid: SessionId, peer: PeerId, now: u64) {
+        // One relay per client id: the newest (an older one points back along its moves).
+        let client = self.session(sid).map(|s| s.client_id.clone());
+        if let Some(client) = client {
+            let old: Vec<SessionId> = self
+                .claims
+                .relays
+                .keys()
+                .copied()
+                .filter(|&o| o != sid && self.session(o).is_some_and(|s| s.client_id == client))
+                .collect();
+            for o in old {
+                self.end_relay(o);
+            }
+        }
         self.unpersist_session(sid);
         let session = self.session_mut(sid).expect("caller checked");
         session.queue.clear();
@@ -553,17 +623,21 @@ impl Engine {
         }
         if let Some(claim) = self.claims.pending.get_mut(&client_id) {
             // The client is coming back here: the session follows, and so does this. (The
-            // node it moved to may have it too if it got there before the session left:
-            // QoS 1 may then arrive twice; message ids will tell, issue 16.)
+            // node it moved to may have it too: its id tells once the session is here.)
             claim.early.push((msg.clone(), qos, retain, sub_ids));
             return true;
         }
         let skip = match scope {
             Scope::Forwarded { from, also, .. } => {
-                // What the new home routed before it had the session goes to it.
+                // What the new home routed before it had the session goes to it (the same
+                // link's order tells). Whether it routed a message that reached it from a
+                // third node before or after it had the session, only it knows: such a
+                // message goes too, and its id tells the session a second copy; one without
+                // an id (from a peer of protocol 4) is skipped as before.
                 (from == peer && self.routes_itself(peer, &client_id))
-                    || (plain && also.contains(&self.cluster.peer_key(peer)))
+                    || (plain && msg.id == 0 && also.contains(&self.cluster.peer_key(peer)))
             }
+            // Sent there after the session on the same link: it routes it itself.
             Scope::Origin => plain && self.cluster.plans_plain(peer),
         };
         if skip {
@@ -598,6 +672,18 @@ impl Engine {
         let Some(&sid) = self.by_client.get(client_id) else {
             if let Some(claim) = self.claims.pending.get_mut(client_id) {
                 claim.early.push((msg, qos, retain, sub_ids));
+                return;
+            }
+            if let Some(peer) = self.relay_of(client_id) {
+                // The session moved on from here meanwhile: so does this (relays point to
+                // where the session went next, so the chain ends where it is).
+                self.claims.stats.relayed += 1;
+                self.cluster
+                    .queue_session_message(peer, client_id, &msg, qos, retain, &sub_ids, now);
+                if qos != QoS::AtMostOnce {
+                    self.cluster.seal_for(peer);
+                    self.store_outgoing(peer);
+                }
                 return;
             }
             self.event(

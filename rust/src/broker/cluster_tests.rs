@@ -397,6 +397,7 @@ fn retained_batch(topic: &str, payload: &str, clock: u64, seq: u64) -> Vec<u8> {
             groups: Vec::new(),
             stamp: Some(Stamp { clock, node: 77 }),
             also: Vec::new(),
+            id: 0,
         },
         &mut item,
     );
@@ -990,6 +991,67 @@ fn a_node_that_has_not_heard_of_the_move_reaches_the_session_through_the_relay()
     n.settle();
     assert_eq!(payloads(&n.h[1].recv_one(back)), ["q3"]);
     assert_eq!(n.h[0].e.claim_stats().relayed, 2);
+}
+
+/// Node 0 holds "dev" (offline, QoS 2 on `cmd/#`), node 1 a plain subscriber of `cmd/#`,
+/// node 2 the publisher; protocol 5 (message ids). Node 2's links to `cut` are down.
+fn three_nodes_with_ids(cut: &[usize]) -> (Nodes, crate::broker::ConnId) {
+    let mut n = Nodes::new(3);
+    let dev = n.h[0].connect("dev", Protocol::V311, false);
+    n.h[0].subscribe(dev, "cmd/#", QoS::ExactlyOnce);
+    let other = n.h[1].connect("other", Protocol::V311, true);
+    n.h[1].subscribe(other, "cmd/#", QoS::AtLeastOnce);
+    let publisher = n.h[2].connect("pub", Protocol::V5, true);
+    n.settle();
+    protocol(&mut n, 5);
+    let now = n.h[0].now;
+    n.h[0].e.closed(dev, now);
+    n.settle();
+    for &i in cut {
+        n.cut_link(i, 2);
+    }
+    // Sent plain to both nodes: each learns that the other got it too.
+    n.h[2].publish(publisher, "cmd/dev", "m1", QoS::ExactlyOnce, false);
+    n.settle();
+    (n, publisher)
+}
+
+#[test]
+fn a_message_the_new_home_routed_before_it_had_the_session_comes_through_the_relay() {
+    // Node 1 gets m1 before the session, node 0 after it handed the session to node 1:
+    // node 0 must relay it, though node 1 got it for its own subscriber.
+    let (mut n, _) = three_nodes_with_ids(&[0]);
+    let back = n.h[1].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    n.settle();
+    let got = n.h[1].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), Vec::<String>::new());
+    n.heal_link(0, 2);
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["m1"]);
+    assert_eq!(n.h[0].e.claim_stats().relayed, 1);
+}
+
+#[test]
+fn a_message_that_reaches_a_moved_session_along_two_paths_is_delivered_once() {
+    // Node 1 gets m1 once it has the session, and node 0 relays it too: its id tells.
+    let (mut n, _) = three_nodes_with_ids(&[0, 1]);
+    let back = n.h[1].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    n.settle();
+    assert!(connack(&n.h[1].recv_one(back)).session_present);
+    n.heal_link(1, 2);
+    n.heal_link(0, 2);
+    assert_eq!(n.h[0].e.claim_stats().relayed, 1);
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["m1"]);
+    // A session that comes straight back gets what reached it in its records once, though
+    // node 1 relays it back too.
+    let now = n.h[1].now;
+    n.h[1].e.closed(back, now);
+    n.settle();
+    let again = n.h[0].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    n.settle();
+    let got = n.h[0].recv_one(again);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), ["m1"]);
 }
 
 #[test]

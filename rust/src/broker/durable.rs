@@ -222,6 +222,7 @@ impl Engine {
             props: m.props.clone(),
             expires_at_wall: m.expires_at.map(|t| wall_now + t.saturating_sub(now)),
             sub_ids: d.sub_ids.clone(),
+            id: m.id,
         }
     }
 
@@ -530,6 +531,7 @@ impl Engine {
                 props: m.props,
                 expires_at,
                 origin: BROKER_ORIGIN,
+                id: 0,
             };
             self.retained.insert(&topic, Arc::new(msg));
             summary.retained += 1;
@@ -573,6 +575,7 @@ impl Engine {
                     props: m.props,
                     expires_at,
                     origin: BROKER_ORIGIN,
+                    id: m.id,
                 });
                 let d = Delivery {
                     msg,

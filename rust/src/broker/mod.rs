@@ -301,6 +301,7 @@ impl Engine {
             props: None,
             expires_at: None,
             origin: state::BROKER_ORIGIN,
+            id: 0,
         };
         self.route(Arc::new(msg), now);
     }
@@ -596,6 +597,7 @@ impl Engine {
             props: router::forwarded_props(Box::new(props)),
             expires_at,
             origin,
+            id: 0,
         };
         self.route(Arc::new(msg), now);
     }

@@ -320,7 +320,13 @@ impl Engine {
 
     /// Delivers `msg` to every matching subscription on this node and forwards it to every
     /// other node with one (`cluster`). Returns how many sessions and nodes it went to.
-    pub(super) fn route(&mut self, msg: Arc<Message>, now: u64) -> usize {
+    pub(super) fn route(&mut self, mut msg: Arc<Message>, now: u64) -> usize {
+        if msg.id == 0 {
+            // Published here: its id in the cluster (the Arc is new, not shared yet).
+            if let Some(m) = Arc::get_mut(&mut msg) {
+                m.id = self.cluster.next_message_id();
+            }
+        }
         let remote = self.plan_forward(&msg);
         let local = self.route_local(msg.clone(), now, Scope::Origin);
         let nodes = if remote { self.forward(&msg, now) } else { 0 };
@@ -484,6 +490,10 @@ impl Engine {
         sub_ids: Vec<u32>,
         now: u64,
     ) -> bool {
+        if msg.id != 0 && self.seen_since_move(sid, msg.id, now) {
+            // It reached the session along another path already.
+            return true;
+        }
         let window = self.window(sid);
         let Some(session) = self.session(sid) else {
             return false;
@@ -734,6 +744,7 @@ fn message_of(p: Publish, origin: SessionId, now: u64) -> Message {
         props: p.properties.and_then(forwarded_props),
         expires_at,
         origin,
+        id: 0,
     }
 }
 

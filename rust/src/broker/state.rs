@@ -32,6 +32,9 @@ pub struct Message {
     pub expires_at: Option<u64>,
     /// Publishing session, for no-local.
     pub origin: SessionId,
+    /// Its id in the cluster (origin node's key and incarnation, and a counter), 0 if none:
+    /// a session that just moved tells by it a message that reached it twice.
+    pub id: u128,
 }
 
 impl Message {
@@ -263,6 +266,16 @@ pub struct Session {
     /// In a cluster, the version of this session here (see broker::cluster_replicas): set
     /// when it becomes durable or is installed, stored with it, carried by its copies.
     pub stamp: Option<Stamp>,
+    /// For a while after it moved here, the ids of the messages that reached it: the same
+    /// message can come along several paths then (broker::cluster_sessions).
+    pub recent: Option<Box<RecentIds>>,
+}
+
+/// Message ids a session got since it moved, until `until` (monotonic ms).
+#[derive(Debug, Default)]
+pub struct RecentIds {
+    pub until: u64,
+    pub ids: HashSet<u128>,
 }
 
 impl Session {
@@ -286,6 +299,7 @@ impl Session {
             read_check: None,
             intercepting: Vec::new(),
             stamp: None,
+            recent: None,
         }
     }
 
@@ -380,6 +394,7 @@ mod tests {
             props: None,
             expires_at: None,
             origin: 0,
+            id: 0,
         });
         let mut s = Session::new(Arc::from("c"));
         let mut live = std::collections::HashSet::new();

@@ -63,6 +63,8 @@ const MSG_RETAIN: u8 = 0b100;
 const MSG_NOT_PLAIN: u8 = 0b1000;
 const MSG_STAMPED: u8 = 0b1_0000;
 const MSG_ALSO: u8 = 0b10_0000;
+/// Protocol 5: the message's cluster-wide id follows.
+const MSG_ID: u8 = 0b100_0000;
 
 /// The version of a retained write: a hybrid logical clock (wall milliseconds << 16, plus
 /// a counter) and the writing node's key, compared in that order. Every node applies a
@@ -105,6 +107,8 @@ pub struct WireMessage<'a> {
     /// (empty when it went to one node only): a node relaying for a session that moved to
     /// one of them does not send it a second copy.
     pub also: Vec<u64>,
+    /// The message's cluster-wide id (0: none; sent only to peers of protocol 5).
+    pub id: u128,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -398,6 +402,9 @@ pub fn encode_message(m: &WireMessage<'_>, out: &mut Vec<u8>) {
     if !m.also.is_empty() {
         flags |= MSG_ALSO;
     }
+    if m.id != 0 {
+        flags |= MSG_ID;
+    }
     w.u8(ITEM_MESSAGE).u8(flags);
     if let Some(s) = m.stamp {
         w.u64(s.clock).u64(s.node);
@@ -415,6 +422,9 @@ pub fn encode_message(m: &WireMessage<'_>, out: &mut Vec<u8>) {
         for &k in &m.also {
             w.u64(k);
         }
+    }
+    if m.id != 0 {
+        w.u64((m.id >> 64) as u64).u64(m.id as u64);
     }
     *out = w.buf;
 }
@@ -650,7 +660,7 @@ fn read_stamp(r: &mut Reader<'_>) -> Result<Stamp, BatchError> {
 fn read_message<'a>(r: &mut Reader<'a>) -> Result<WireMessage<'a>, BatchError> {
     let flags = r.u8()?;
     let stamped = flags & MSG_STAMPED != 0;
-    if flags & !0b11_1111 != 0 || flags & 0b11 == 3 || stamped != (flags & MSG_RETAIN != 0) {
+    if flags & !0b111_1111 != 0 || flags & 0b11 == 3 || stamped != (flags & MSG_RETAIN != 0) {
         return Err(BatchError(format!("bad message flags 0x{flags:02x}")));
     }
     let stamp = if stamped {
@@ -677,6 +687,15 @@ fn read_message<'a>(r: &mut Reader<'a>) -> Result<WireMessage<'a>, BatchError> {
             also.push(r.u64()?);
         }
     }
+    let id = if flags & MSG_ID != 0 {
+        let id = (u128::from(r.u64()?) << 64) | u128::from(r.u64()?);
+        if id == 0 {
+            return Err(BatchError("message id 0".into()));
+        }
+        id
+    } else {
+        0
+    };
     Ok(WireMessage {
         qos: flags & 0b11,
         retain: flags & MSG_RETAIN != 0,
@@ -688,6 +707,7 @@ fn read_message<'a>(r: &mut Reader<'a>) -> Result<WireMessage<'a>, BatchError> {
         props,
         groups,
         also,
+        id,
     })
 }
 
@@ -724,6 +744,7 @@ mod tests {
                 node: 3,
             }),
             also: vec![11, 12],
+            id: (3u128 << 64) | 77,
         }
     }
 
@@ -932,6 +953,7 @@ mod tests {
                 groups: if shared { vec!["$share/g/#"] } else { vec![] },
                 stamp: retain.then_some(Stamp { clock, node: 7 }),
                 also: if shared { vec![] } else { vec![clock, 3] },
+                id: if plain { u128::from(seq) << 64 | u128::from(clock) | 1 } else { 0 },
             };
             let mut item = Vec::new();
             encode_message(&m, &mut item);

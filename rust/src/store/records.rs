@@ -186,6 +186,8 @@ pub struct StoredMessage {
     pub props: Option<Box<Properties>>,
     pub expires_at_wall: Option<u64>,
     pub sub_ids: Vec<u32>,
+    /// The message's id in a cluster (0: none), appended (absent in older records).
+    pub id: u128,
 }
 
 impl StoredMessage {
@@ -201,6 +203,9 @@ impl StoredMessage {
         w.u32(self.sub_ids.len() as u32);
         for &id in &self.sub_ids {
             w.u32(id);
+        }
+        if self.id != 0 {
+            w.u64((self.id >> 64) as u64).u64(self.id as u64);
         }
         w.buf
     }
@@ -225,6 +230,11 @@ impl StoredMessage {
         for _ in 0..n {
             sub_ids.push(r.u32()?);
         }
+        let id = if r.is_empty() {
+            0
+        } else {
+            (u128::from(r.u64()?) << 64) | u128::from(r.u64()?)
+        };
         r.finish()?;
         Ok(StoredMessage {
             topic,
@@ -236,6 +246,7 @@ impl StoredMessage {
             props,
             expires_at_wall,
             sub_ids,
+            id,
         })
     }
 }
@@ -506,11 +517,23 @@ mod tests {
             props: props.clone().into_boxed(),
             expires_at_wall: Some(123),
             sub_ids: vec![1, 268_435_455],
+            id: 0,
         };
         let body = m.encode();
         assert_eq!(StoredMessage::decode(&body).unwrap(), m);
         for len in 0..body.len() {
             assert!(StoredMessage::decode(&body[..len]).is_err());
+        }
+        // A cluster message id is appended; a record cut inside it is refused.
+        let with_id = StoredMessage {
+            id: (7u128 << 64) | 9,
+            ..m.clone()
+        };
+        let long = with_id.encode();
+        assert_eq!(long.len(), body.len() + 16);
+        assert_eq!(StoredMessage::decode(&long).unwrap(), with_id);
+        for len in body.len() + 1..long.len() {
+            assert!(StoredMessage::decode(&long[..len]).is_err());
         }
         let s = StoredSession {
             expiry: 3600,

@@ -56,12 +56,13 @@ logger = logging.getLogger("fastbroker.cluster.transport")
 
 MAGIC = "fastbroker-cluster"
 # The inter-node protocol versions this build speaks. A node of the next release speaks
-# [2, 5] and talks 4 with this one, which lets a cluster run mixed during a rolling upgrade.
+# [2, 6] and talks 5 with this one, which lets a cluster run mixed during a rolling upgrade.
 # Version 2 added the data plane (routes and forwarded messages): a version 1 node, which
 # cannot carry them, is refused at handshake. Version 3 added DATA_KEEPALIVE, claims and
-# kicks. Version 4 added copies of sessions (Copy, CopyCheck, Fence batch items).
+# kicks. Version 4 added copies of sessions (Copy, CopyCheck, Fence batch items). Version 5
+# added message ids (a session that just moved tells a message that reached it twice).
 PROTOCOL_MIN = 2
-PROTOCOL_MAX = 4
+PROTOCOL_MAX = 5
 
 CONTROL = "control"
 DATA_CHANNEL = "data"
