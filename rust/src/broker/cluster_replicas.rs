@@ -222,6 +222,7 @@ impl Engine {
         if self.cluster.epoch_of() == 0 {
             return;
         }
+        self.drop_copies_not_owned();
         let sids: Vec<SessionId> = self.by_client.values().copied().collect();
         for sid in sids {
             let Some(session) = self.session(sid) else {
@@ -249,6 +250,29 @@ impl Engine {
             if old.is_some() && !gained.is_empty() {
                 self.copy_session(sid, Some(&gained), now);
             }
+        }
+    }
+
+    /// Copies of partitions this node no longer owns go, if their home is up: it sends the
+    /// new owners theirs (a stale copy here could otherwise answer a claim one day). A copy
+    /// of a home that is down stays until the home is back or its session is taken over.
+    fn drop_copies_not_owned(&mut self) {
+        let stale: Vec<Arc<str>> = self
+            .replicas
+            .copies
+            .iter()
+            .filter(|(client, copy)| {
+                !self.replicas.is_owner(client)
+                    && !self.replicas.wanted.contains_key(*client)
+                    && self
+                        .cluster
+                        .peer_id_of(&copy.home)
+                        .is_some_and(|h| self.cluster.peer_up(h))
+            })
+            .map(|(client, _)| client.clone())
+            .collect();
+        for client in stale {
+            self.drop_copy(&client);
         }
     }
 

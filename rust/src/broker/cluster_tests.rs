@@ -1529,6 +1529,41 @@ fn an_owner_holding_a_copy_answers_a_claim_once_the_live_home_handed_the_session
 }
 
 #[test]
+fn a_map_change_moves_the_copy_to_the_new_owner_and_the_old_one_drops_it() {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
+    offline_session(
+        &mut n,
+        0,
+        super::tests::connect("dev", Protocol::V311, false),
+        QoS::AtLeastOnce,
+    );
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(copy_count(&disks[1]), 2);
+    // The partition moves from node 1 to node 2.
+    for i in 0..3 {
+        set_map(&mut n, i, &[0, 2], 2);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(copy_count(&disks[1]), 0, "{:?}", disks[1].keys());
+    assert_eq!(copy_count(&disks[2]), 2);
+    assert_eq!(n.h[1].e.replica_stats().copies, 0);
+    // A copy whose home is down stays where it is (it may be the only one).
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
+    offline_session(
+        &mut n,
+        0,
+        super::tests::connect("dev", Protocol::V311, false),
+        QoS::AtLeastOnce,
+    );
+    settle_and_sync(&mut n, &mut disks);
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    set_map(&mut n, 1, &[0, 2], 2);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(copy_count(&disks[1]), 2);
+}
+
+#[test]
 fn a_dead_homes_session_is_taken_over_once_and_its_will_published_once() {
     let (mut n, mut disks) = copying_nodes(3, &[0, 1], 5_000);
     let mut c = persistent_v5("lamp");
