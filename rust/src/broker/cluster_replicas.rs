@@ -24,10 +24,10 @@
 //! - **A dead home.** A claim for a client whose home is down is answered from the copy
 //!   (read back from the store), also the claimant's own copy. An owner that still sees the
 //!   home up holds its answer until the home hands the session over or goes down (a killed
-//!   home's claimant may notice first). A home down for the takeover time (the failure timeout) has
-//!   its sessions taken over by the first owner that is up: it installs the copy as a
-//!   disconnected session, so the will of a connection that died with its node is published
-//!   (after its delay) and expiry is counted, once.
+//!   home's claimant may notice first). A home down for the takeover time (the failure
+//!   timeout) has its sessions taken over by the first owner that is up: it installs the
+//!   copy as a disconnected session, so the will of a connection that died with its node is
+//!   published (after its delay) and expiry is counted, once.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
