@@ -25,7 +25,7 @@
 //!   relayed to a node the session left again goes on along that node's relay.
 //! - **Message ids** (protocol 5). Every message published in a cluster gets an id (origin
 //!   node and incarnation, counter), forwarded, relayed and stored with it. For `RECENT_MS`
-//!   after a session is installed it remembers the ids that reach it, starting with those
+//!   (30 s) after a session is installed it remembers the ids that reach it, starting with those
 //!   of its records, and takes each once: a message that reached the new home from a third
 //!   node is relayed too (only the new home knows whether it had the session then), and a
 //!   session that comes straight back gets what its old relay caught meanwhile once.
@@ -58,8 +58,8 @@ const CLAIM_TIMEOUT_MS: u64 = 3_000;
 const RELAY_MS: u64 = 5_000;
 
 /// How long a session that moved here tells messages that reach it twice by their ids:
-/// the relay's time and the same again for batches on their way.
-const RECENT_MS: u64 = 2 * RELAY_MS;
+/// the relay's time, and room for a relayed batch sent again after its link dropped.
+const RECENT_MS: u64 = 30_000;
 /// Ids a moved session remembers at most (past that, a repeat can get through).
 const RECENT_MAX: usize = 1 << 16;
 
@@ -632,10 +632,12 @@ impl Engine {
                 // What the new home routed before it had the session goes to it (the same
                 // link's order tells). Whether it routed a message that reached it from a
                 // third node before or after it had the session, only it knows: such a
-                // message goes too, and its id tells the session a second copy; one without
-                // an id (from a peer of protocol 4) is skipped as before.
+                // message goes too, and its id tells the session a second copy. One
+                // without an id (from a peer of protocol 4), or for a new home whose link
+                // is down (it could arrive after the session forgot the ids), is skipped.
+                let guess = msg.id == 0 || !self.cluster.peer_up(peer);
                 (from == peer && self.routes_itself(peer, &client_id))
-                    || (plain && msg.id == 0 && also.contains(&self.cluster.peer_key(peer)))
+                    || (plain && guess && also.contains(&self.cluster.peer_key(peer)))
             }
             // Sent there after the session on the same link: it routes it itself.
             Scope::Origin => plain && self.cluster.plans_plain(peer),

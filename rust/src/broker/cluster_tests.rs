@@ -1055,6 +1055,22 @@ fn a_message_that_reaches_a_moved_session_along_two_paths_is_delivered_once() {
 }
 
 #[test]
+fn with_the_new_homes_link_down_the_relay_skips_what_it_got_from_a_third_node() {
+    // Relayed later, the copy could come after the session forgot the ids: not sent.
+    let (mut n, _) = three_nodes_with_ids(&[0, 1]);
+    let back = n.h[1].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    n.settle();
+    assert!(connack(&n.h[1].recv_one(back)).session_present);
+    n.heal_link(1, 2);
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["m1"]);
+    n.cut_link(0, 1);
+    n.heal_link(0, 2);
+    assert_eq!(n.h[0].e.claim_stats().relayed, 0);
+    n.heal_link(0, 1);
+    assert!(n.h[1].recv_one(back).is_empty());
+}
+
+#[test]
 fn a_connection_still_open_on_another_node_is_taken_over_with_0x8e() {
     let mut n = Nodes::new(2);
     let old = n.h[0].connect_with(persistent_v5("dev5")).0;
