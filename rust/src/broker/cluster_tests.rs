@@ -1330,9 +1330,8 @@ fn copy_count(disk: &Disk) -> usize {
     disk.keys().filter(|k| k[0] == b'c').count()
 }
 
-#[test]
-fn a_qos1_message_for_a_persistent_session_is_acknowledged_once_an_owner_holds_its_copy() {
-    // Node 0 is the home of "dev", node 1 the other owner of its partition, node 2 publishes.
+/// Node 0 homes "dev" (offline, QoS 1 on `cmd/#`); node 1 is the other owner.
+fn dev_on_node0() -> (Nodes, Vec<Disk>) {
     let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
     offline_session(
         &mut n,
@@ -1341,6 +1340,22 @@ fn a_qos1_message_for_a_persistent_session_is_acknowledged_once_an_owner_holds_i
         QoS::AtLeastOnce,
     );
     settle_and_sync(&mut n, &mut disks);
+    (n, disks)
+}
+
+/// `dev_on_node0`, with "m1" published on node 2 and queued for dev.
+fn dev_on_node0_with_m1() -> (Nodes, Vec<Disk>) {
+    let (mut n, mut disks) = dev_on_node0();
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    (n, disks)
+}
+
+#[test]
+fn a_qos1_message_for_a_persistent_session_is_acknowledged_once_an_owner_holds_its_copy() {
+    // Node 0 is the home of "dev", node 1 the other owner of its partition, node 2 publishes.
+    let (mut n, mut disks) = dev_on_node0();
     // The session record is copied to node 1 (with its meta record), nowhere else.
     assert_eq!(copy_count(&disks[1]), 2);
     assert_eq!(copy_count(&disks[2]), 0);
@@ -1442,16 +1457,7 @@ fn a_client_whose_home_died_resumes_on_another_node_from_the_copy() {
 
 #[test]
 fn a_claim_that_reaches_an_owner_before_it_sees_the_home_die_is_answered_from_the_copy() {
-    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
-    offline_session(
-        &mut n,
-        0,
-        super::tests::connect("dev", Protocol::V311, false),
-        QoS::AtLeastOnce,
-    );
-    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
-    n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
-    settle_and_sync(&mut n, &mut disks);
+    let (mut n, mut disks) = dev_on_node0_with_m1();
     // Node 0 is killed: node 2 sees it go at once, node 1 a moment later.
     n.cut_link(0, 2);
     n.cut.push((0, 1));
@@ -1508,16 +1514,7 @@ fn a_client_whose_home_died_resumes_on_the_owner_holding_its_copy() {
 
 #[test]
 fn an_owner_holding_a_copy_answers_a_claim_once_the_live_home_handed_the_session_over() {
-    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
-    offline_session(
-        &mut n,
-        0,
-        super::tests::connect("dev", Protocol::V311, false),
-        QoS::AtLeastOnce,
-    );
-    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
-    n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
-    settle_and_sync(&mut n, &mut disks);
+    let (mut n, mut disks) = dev_on_node0_with_m1();
     // The home answers, and its deletes reach node 1: node 1 answers none, the claim ends
     // with the session from node 0 and nothing read from the copy.
     let back = n.h[2].open_connect(super::tests::connect("dev", Protocol::V311, false));
@@ -1546,14 +1543,7 @@ fn an_owner_holding_a_copy_answers_a_claim_once_the_live_home_handed_the_session
 
 #[test]
 fn a_map_change_moves_the_copy_to_the_new_owner_and_the_old_one_drops_it() {
-    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
-    offline_session(
-        &mut n,
-        0,
-        super::tests::connect("dev", Protocol::V311, false),
-        QoS::AtLeastOnce,
-    );
-    settle_and_sync(&mut n, &mut disks);
+    let (mut n, mut disks) = dev_on_node0();
     assert_eq!(copy_count(&disks[1]), 2);
     // The partition moves from node 1 to node 2.
     for i in 0..3 {
@@ -1564,14 +1554,7 @@ fn a_map_change_moves_the_copy_to_the_new_owner_and_the_old_one_drops_it() {
     assert_eq!(copy_count(&disks[2]), 2);
     assert_eq!(n.h[1].e.replica_stats().copies, 0);
     // A copy whose home is down stays where it is (it may be the only one).
-    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
-    offline_session(
-        &mut n,
-        0,
-        super::tests::connect("dev", Protocol::V311, false),
-        QoS::AtLeastOnce,
-    );
-    settle_and_sync(&mut n, &mut disks);
+    let (mut n, mut disks) = dev_on_node0();
     n.cut_link(0, 1);
     n.cut_link(0, 2);
     set_map(&mut n, 1, &[0, 2], 2);
