@@ -112,15 +112,18 @@ def start_cluster(
     tls: dict[str, dict[str, str]] | None,
     nodes: int = 3,
     settings: dict[str, Any] | None = None,
+    mqtt_settings: dict[str, Any] | None = None,
 ) -> Setup:
-    """`nodes` nodes on 127.0.0.1, started at once, with these extra [cluster] `settings`;
-    returns once every data link is up."""
+    """`nodes` nodes on 127.0.0.1, started at once, with these extra [cluster] `settings`
+    (and these [mqtt] `mqtt_settings`); returns once every data link is up."""
     ports = [(bench.free_port(), bench.free_port(), bench.free_port()) for _ in range(nodes)]
     seed = f"{HOST}:{ports[0][1]}"
     procs, addrs, admins = [], [], []
     for i, (mqtt, link, admin) in enumerate(ports, start=1):
         workdir = Path(tempfile.mkdtemp(prefix=f"node{i}-", dir=base))
         cluster = [
+            # The base config text ends in its [mqtt] table.
+            *(f"{k} = {json.dumps(v)}" for k, v in (mqtt_settings or {}).items()),
             "[cluster]",
             f'node_id = "n{i}"',
             f'listen = "{HOST}:{link}"',

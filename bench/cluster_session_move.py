@@ -3,12 +3,12 @@
 to the last queued message, for a client that reconnects to the node that holds its session
 and for one that reconnects to another node of a 2-node cluster, side by side in one run.
 
-    python bench/cluster_session_move.py [--rounds 3] [--queued 0,1000]
+    python bench/cluster_session_move.py [--rounds 3] [--queued 0,1000,10000]
 
 Each round starts a fresh 2-node cluster (bench/cluster_hop.py's setup). A persistent MQTT
 3.1.1 session (clean session 0) subscribes to one topic at QoS 1 on node 1 and goes away;
-`--queued` QoS 1 messages of 64 bytes are published to it from node 1 (at most the session
-queue limit, `max_queued_messages`, 1000 by default until issue 19); the client then
+`--queued` QoS 1 messages of 64 bytes are published to it from node 1 (the nodes' session
+queue limit, `max_queued_messages`, is raised to the largest count); the client then
 connects again, over a raw socket (no client library in the timing), to node 1 ("same node")
 or to node 2 ("other node", which claims the session from node 1), and reads until the
 CONNACK and until the last queued PUBLISH. Only processes this script starts are stopped.
@@ -86,9 +86,11 @@ def fill(address: str, client_id: str, topic: str, queued: int) -> None:
     sub = socket.create_connection((host, int(port)), timeout=10)
     sub.sendall(connect_packet(client_id))
     reader = Reader(sub)
-    reader.next()
+    kind, body = reader.next()
+    assert kind == 0x20 and body[1] == 0, f"CONNECT refused: {kind:#x} {body!r}"
     sub.sendall(packet(0x82, (1).to_bytes(2, "big") + string(topic) + b"\x01"))
-    reader.next()
+    kind, body = reader.next()
+    assert kind == 0x90, f"no SUBACK: {kind:#x} {body!r}"
     sub.sendall(packet(0xE0, b""))
     sub.close()
     pub = socket.create_connection((host, int(port)), timeout=10)
@@ -135,7 +137,7 @@ def reconnect(address: str, client_id: str, queued: int) -> tuple[float, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--queued", default="0,1000")
+    parser.add_argument("--queued", default="0,1000,10000")
     args = parser.parse_args()
     counts = [int(q) for q in args.queued.split(",")]
     results: dict[tuple[int, str], list[tuple[float, float]]] = {}
@@ -143,7 +145,8 @@ def main() -> int:
         for queued in counts:
             for where in ("same node", "other node"):
                 base = Path(tempfile.mkdtemp(prefix="session-move-"))
-                setup = cluster_hop.start_cluster(base, None, nodes=2)
+                limit = {"max_queued_messages": max(counts)}
+                setup = cluster_hop.start_cluster(base, None, nodes=2, mqtt_settings=limit)
                 try:
                     client_id, topic = f"mover-{r}", f"move/{r}"
                     fill(setup.addrs[0], client_id, topic, queued)
