@@ -1046,3 +1046,60 @@ def test_sessions_of_a_killed_node_live_on_with_every_acknowledged_message_and_o
         assert sub.drain(0.5) == []
         for c in (sub, publisher, watcher):
             c.disconnect()
+
+
+def test_a_joining_node_is_streamed_the_copies_it_owns_and_the_home_can_then_die(tmp_path):
+    """n1 homes 12 offline persistent sessions with 40 QoS 1 messages queued for each
+    (published and acknowledged on n2), copied to n2 (2 nodes, replication factor 2). n3
+    joins: n1 streams it the sessions whose partition it gained (paced, in the background),
+    and n2 keeps its copies of partitions it no longer owns until n3 has its own, then drops
+    them. n1 is then SIGKILLed: every client resumes on n3 with every acknowledged message,
+    in order."""
+    with Cluster(tmp_path) as cluster:
+        n1, n2 = start_cluster(cluster, 2)
+        root = unique("stream")
+        clients = [unique(f"mover{i}") for i in range(12)]
+        expiry = {"SessionExpiryInterval": 300}
+        for i, cid in enumerate(clients):
+            c = Client(endpoint(n1), client_id=cid, version=5, clean=False, props=expiry)
+            c.connect()
+            c.subscribe(f"{root}/{i}", qos=1)
+            c.disconnect()
+        wait_rows(n2, "n1", 12)
+        publisher = Client(endpoint(n2), client_id=unique("spub"), version=5)
+        publisher.connect()
+        infos = [
+            publisher.publish(f"{root}/{i}", f"{i}:{k}".encode(), qos=1, wait=False)
+            for k in range(40)
+            for i in range(len(clients))
+        ]
+        for info in infos:
+            info.wait_for_publish(20)
+            assert info.is_published()
+        publisher.disconnect()
+        assert metric(n2, "cluster_session_copies") == 12
+
+        n3 = cluster.start(3, join=cluster.seeds(1))
+        ids = ["n1", "n2", "n3"]
+        cluster.wait_converged(ids, 30)
+        wait_for(lambda: links_up(n3, ["n1", "n2"]), 15, "n3's data links", n3)
+
+        def streamed() -> bool:
+            return (
+                metric(n1, "cluster_sessions_streamed_total") >= 1
+                and metric(n1, "cluster_session_stream_backlog") == 0
+            )
+
+        wait_for(streamed, 15, "copies streamed to n3", n1, n3)
+        # n3 owns some of the partitions now; n2 holds only those it still owns.
+        wait_for(lambda: metric(n2, "cluster_session_copies") < 12, 10, "released", n2)
+        assert metric(n3, "cluster_session_copies") >= 1
+        assert metric(n2, "cluster_session_copies") + metric(n3, "cluster_session_copies") >= 12
+
+        n1.kill()
+        for i, cid in enumerate(clients):
+            sub = Client(endpoint(n3), client_id=cid, version=5, clean=False, props=expiry)
+            assert sub.connect().session_present, cid
+            got = [m.payload for m in sub.expect(40, 20.0)]
+            assert got == [f"{i}:{k}".encode() for k in range(40)], cid
+            sub.disconnect()

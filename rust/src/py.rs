@@ -443,6 +443,8 @@ impl PyEngine {
         d.set_item("fenced", s.fenced)?;
         d.set_item("claims_served", s.claims_served)?;
         d.set_item("takeovers", s.takeovers)?;
+        d.set_item("streamed", s.streamed)?;
+        d.set_item("stream_backlog", s.stream_backlog)?;
         Ok(d)
     }
 

@@ -440,8 +440,19 @@ class BrokerCollector:
                 "takeovers",
                 "Sessions of a dead node installed here from their copies",
             ),
+            (
+                "cluster_sessions_streamed",
+                "streamed",
+                "Sessions of this node sent in full to an owner their partition gained",
+            ),
         ):
             yield counter(name, doc, copies[key])
+        yield gauge(
+            "cluster_session_stream_backlog",
+            "Sessions of this node whose copies are still moving to new owners after a map "
+            "change (replication lag of a rebalance)",
+            copies["stream_backlog"],
+        )
 
 
 class BrokerMetrics:

@@ -538,6 +538,17 @@ impl Cluster {
         self.down_items |= down && durable;
     }
 
+    /// Whether peer `id` is up with less than `max` bytes waiting for it (a session may be
+    /// streamed to it now).
+    pub(super) fn stream_room(&self, id: PeerId, max: usize) -> bool {
+        self.peer_ref(id).is_some_and(|p| p.up && p.queued() < max)
+    }
+
+    /// Whether peer `id` has applied and copied our batch `seq` (and every one before it).
+    pub(super) fn copied_through(&self, id: PeerId, seq: u64) -> bool {
+        self.peer_ref(id).is_some_and(|p| p.confirmed() >= seq)
+    }
+
     pub(super) fn peer_protocol(&self, id: PeerId) -> u16 {
         self.peer_ref(id).map_or(0, |p| p.protocol)
     }

@@ -28,11 +28,14 @@
 //!   timeout) has its sessions taken over by the first owner that is up: it installs the
 //!   copy as a disconnected session, so the will of a connection that died with its node is
 //!   published (after its delay) and expiry is counted, once.
+//! - **A map change** streams copies to the owners a partition gained, and the former owners
+//!   keep theirs until then: `cluster_streams`.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use super::cluster::PeerId;
+use super::cluster_streams::Streams;
 use super::router::Scope;
 use super::state::{Message, SessionId};
 use super::Engine;
@@ -136,6 +139,10 @@ pub struct ReplicaStats {
     pub claims_served: u64,
     /// Sessions of a dead home installed here.
     pub takeovers: u64,
+    /// Sessions sent in full to an owner their partition gained (`cluster_streams`).
+    pub streamed: u64,
+    /// Sessions of this node whose copies are still moving to new owners.
+    pub stream_backlog: u64,
 }
 
 #[derive(Default)]
@@ -159,7 +166,9 @@ pub(super) struct Replicas {
     swept: HashSet<PeerId>,
     sweep_due: bool,
     scratch: Vec<PeerId>,
-    stats: ReplicaStats,
+    /// Sessions of this node being copied to new owners after a map change.
+    pub(super) streams: Streams,
+    pub(super) stats: ReplicaStats,
 }
 
 impl Replicas {
@@ -182,8 +191,19 @@ impl Replicas {
         self.degraded = false;
     }
 
-    fn map_version(&self) -> u64 {
+    pub(super) fn map_version(&self) -> u64 {
         self.map.as_ref().map_or(0, |m| m.version)
+    }
+
+    /// The owners of `client_id`'s partition other than this node (none before a map).
+    pub(super) fn other_owners(&self, client_id: &str) -> Vec<PeerId> {
+        self.map.as_ref().map_or_else(Vec::new, |m| {
+            m.owners(client_id)
+                .iter()
+                .copied()
+                .filter(|&p| p != THIS_NODE)
+                .collect()
+        })
     }
 
     fn is_owner(&self, client_id: &str) -> bool {
@@ -214,8 +234,8 @@ fn decode_meta(body: &[u8]) -> Result<(Stamp, String), String> {
 
 impl Engine {
     /// The partition map (`owners[p]`: partition p's primary then followers, this node as
-    /// `THIS_NODE`). Sessions whose partition gained an owner are copied to it in full;
-    /// sessions from before copies existed get a version and are copied.
+    /// `THIS_NODE`). Sessions whose partition gained an owner are streamed to it in full
+    /// (`cluster_streams`); sessions from before copies existed get a version and are copied.
     pub fn cluster_set_map(&mut self, version: u64, owners: Vec<Vec<PeerId>>, now: u64) {
         let old = self.replicas.map.replace(SessionMap { version, owners });
         self.replicas.sweep_due = true;
@@ -237,25 +257,33 @@ impl Engine {
                 self.copy_session(sid, None, now);
                 continue;
             }
+            // At the first map after a start, the owners had their copies already.
+            let Some(old) = old.as_ref() else { continue };
             let client = session.client_id.clone();
-            let map = self.replicas.map.as_ref().expect("set above");
-            let gained: Vec<PeerId> = map
-                .owners(&client)
+            let owners = self.replicas.other_owners(&client);
+            let before = old.owners(&client);
+            let gained: Vec<PeerId> = owners
                 .iter()
                 .copied()
-                .filter(|&p| p != THIS_NODE)
-                .filter(|p| old.as_ref().is_none_or(|o| !o.owners(&client).contains(p)))
+                .filter(|p| !before.contains(p))
                 .collect();
-            // At the first map after a start, the owners had their copies already.
-            if old.is_some() && !gained.is_empty() {
-                self.copy_session(sid, Some(&gained), now);
-            }
+            // Former owners of protocol 6 keep their copies until released; older ones drop
+            // theirs at once.
+            let left: Vec<PeerId> = before
+                .iter()
+                .copied()
+                .filter(|&p| p != THIS_NODE && !owners.contains(&p))
+                .filter(|&p| self.cluster.peer_protocol(p) >= 6)
+                .collect();
+            self.replicas.streams.add(&client, &gained, &left, &owners);
         }
     }
 
-    /// Copies of partitions this node no longer owns go, if their home is up: it sends the
-    /// new owners theirs (a stale copy here could otherwise answer a claim one day). A copy
-    /// of a home that is down stays until the home is back or its session is taken over.
+    /// Copies of partitions this node no longer owns go, if their home is up and older than
+    /// protocol 6: it sends the new owners theirs (a stale copy here could otherwise answer
+    /// a claim one day). A home of protocol 6 says when its new owners have theirs
+    /// (`cluster_streams`). A copy of a home that is down stays until the home is back or
+    /// its session is taken over.
     fn drop_copies_not_owned(&mut self) {
         let stale: Vec<Arc<str>> = self
             .replicas
@@ -264,10 +292,9 @@ impl Engine {
             .filter(|(client, copy)| {
                 !self.replicas.is_owner(client)
                     && !self.replicas.wanted.contains_key(*client)
-                    && self
-                        .cluster
-                        .peer_id_of(&copy.home)
-                        .is_some_and(|h| self.cluster.peer_up(h))
+                    && self.cluster.peer_id_of(&copy.home).is_some_and(|h| {
+                        self.cluster.peer_up(h) && self.cluster.peer_protocol(h) < 6
+                    })
             })
             .map(|(client, _)| client.clone())
             .collect();
@@ -283,6 +310,8 @@ impl Engine {
     pub fn replica_stats(&self) -> ReplicaStats {
         let mut s = self.replicas.stats;
         s.copies = self.replicas.copies.len() as u64;
+        s.streamed = self.replicas.streams.streamed;
+        s.stream_backlog = self.replicas.streams.backlog();
         s
     }
 
@@ -317,6 +346,7 @@ impl Engine {
         let mut targets = std::mem::take(&mut self.replicas.scratch);
         targets.clear();
         targets.extend(map.owners(client).iter().filter(|&&p| p != THIS_NODE));
+        self.replicas.streams.adjust_targets(client, &mut targets);
         let need = usize::from(self.cfg.cluster_ack_replicas.saturating_sub(1));
         let mut waited = 0;
         let mut queued = false;
@@ -338,42 +368,46 @@ impl Engine {
     }
 
     /// Sends every record of session `sid` to the owners `to` (all of them if None): a
-    /// copy made anew there (its version is new to them).
-    fn copy_session(&mut self, sid: SessionId, to: Option<&[PeerId]>, now: u64) {
+    /// copy made anew there (its version is new to them). Returns the bytes of the records,
+    /// and the batch each peer's copy ends in.
+    pub(super) fn copy_session(
+        &mut self,
+        sid: SessionId,
+        to: Option<&[PeerId]>,
+        now: u64,
+    ) -> (usize, Vec<(PeerId, u64)>) {
+        let mut ends = Vec::new();
         let Some(session) = self.session(sid) else {
-            return;
+            return (0, ends);
         };
         let Some(stamp) = session.stamp else {
-            return;
+            return (0, ends);
         };
         let client = session.client_id.clone();
         // Its record with the version first: it is what a restart reads back.
         self.persist_session(sid, now);
         let Some(map) = self.replicas.map.as_ref() else {
-            return;
+            return (0, ends);
         };
         let version = map.version;
         let targets: Vec<PeerId> = match to {
             Some(t) => t.to_vec(),
-            None => map
-                .owners(&client)
-                .iter()
-                .copied()
-                .filter(|&p| p != THIS_NODE)
-                .collect(),
+            None => self.replicas.other_owners(&client),
         };
         let records = self.session_records(sid, false, now);
         for &t in &targets {
+            let mut end = None;
             for (key, value) in &records {
-                if self
-                    .cluster
-                    .queue_copy(t, version, stamp, key, Some(value))
-                    .is_some()
+                if let Some((_, seq)) = self.cluster.queue_copy(t, version, stamp, key, Some(value))
                 {
                     self.replicas.stats.ops_out += 1;
+                    end = Some(seq);
                 }
             }
+            ends.extend(end.map(|seq| (t, seq)));
         }
+        let bytes = records.iter().map(|(k, v)| k.len() + v.len()).sum();
+        (bytes, ends)
     }
 
     /// A copy operation from peer `peer` (the session's home). Errors are a hostile or
@@ -393,8 +427,16 @@ impl Engine {
         let client: Arc<str> = Arc::from(client);
         self.cluster.retained.observe(stamp);
         self.replicas.stats.ops_in += 1;
-        if map < self.replicas.map_version() && !self.replicas.is_owner(&client) {
-            // Sent under an older map, to a node that no longer holds the partition.
+        if map <= self.replicas.map_version()
+            && !self.replicas.is_owner(&client)
+            && !self.replicas.copies.contains_key(&client)
+        {
+            // Sent under this map or an older one to a node that does not hold the partition
+            // (a former owner keeps its copy current until the home releases it; one that
+            // dropped it gets no new one).
+            if map == self.replicas.map_version() {
+                return;
+            }
             self.event(
                 "copy_refused",
                 client,
@@ -420,6 +462,21 @@ impl Engine {
         }
         let home = self.cluster.peer_name(peer);
         let Some(home) = home else { return };
+        if value.is_none() {
+            // Nothing to delete in a copy not held. The session record goes only when the
+            // session ends or leaves here (or its home releases a former owner's copy): the
+            // copy goes whole, as does an older version's.
+            let held = self.replicas.copies.get(&client).map(|c| c.stamp);
+            let whole = key.first() == Some(&records::SESSION);
+            match held {
+                None => return,
+                Some(c) if c < stamp || (c == stamp && whole) => {
+                    self.drop_copy(&client);
+                    return;
+                }
+                _ => {}
+            }
+        }
         let reset = match self.replicas.copies.get(&client) {
             None => true,
             Some(c) if stamp > c.stamp => true,
@@ -537,6 +594,15 @@ impl Engine {
             .by_client
             .get(client_id)
             .and_then(|&sid| self.version_of(sid));
+        if local.is_some_and(|l| l >= stamp)
+            && !self.replicas.other_owners(client_id).contains(&peer)
+            && !self.replicas.streams.keeps(client_id, peer)
+        {
+            // A former owner's copy of a session here, no longer needed (its release was
+            // lost with a restart of this node, or it was down then).
+            self.release_copy(peer, client_id);
+            return;
+        }
         let copied = self
             .replicas
             .copies
@@ -545,12 +611,19 @@ impl Engine {
         let me = self.cluster.name.clone();
         let newest = match (local, copied) {
             (Some(l), Some((c, home))) if c > l => Some((c, home)),
-            (Some(l), _) => Some((l, me)),
+            (Some(l), _) => Some((l, me.clone())),
             (None, c) => c,
         };
+        // Nothing newer: the asker's version stands. From protocol 6, an owner holding no
+        // copy of it names itself, and the asker streams it one (`cluster_streams`).
+        let none_here = newest.is_none()
+            && self.replicas.is_owner(client_id)
+            && self.cluster.peer_protocol(peer) >= 6;
         match newest.filter(|(n, _)| *n > stamp) {
             Some((newer, home)) => self.cluster.queue_fence(peer, client_id, newer, &home),
-            // Nothing newer: the asker's version stands.
+            None if none_here => self
+                .cluster
+                .queue_fence(peer, client_id, Stamp::default(), &me),
             None => self
                 .cluster
                 .queue_fence(peer, client_id, Stamp::default(), ""),
@@ -569,6 +642,10 @@ impl Engine {
         now: u64,
     ) {
         self.cluster.retained.observe(stamp);
+        if stamp == Stamp::default() && !home.is_empty() {
+            // An owner without a copy of ours (see `copy_check_received`).
+            self.stream_to_owner(peer, client_id);
+        }
         if let Some(&sid) = self.by_client.get(client_id) {
             if self.version_of(sid).is_some_and(|ours| ours < stamp) {
                 let to = self.cluster.peer_id_of(home);
@@ -777,7 +854,8 @@ impl Engine {
     }
 
     /// Tells peer `peer` (its link just came up) the versions of the sessions here whose
-    /// partition it owns.
+    /// partition it owns, and of the copies here of its sessions that this node no longer
+    /// owns (it releases them unless it still streams them to their new owners).
     pub(super) fn queue_copy_checks(&mut self, peer: PeerId) {
         let Some(map) = self.replicas.map.as_ref() else {
             return;
@@ -789,6 +867,14 @@ impl Engine {
             };
             if map.owners(client).contains(&peer) {
                 checks.push((client.clone(), stamp));
+            }
+        }
+        if self.cluster.peer_protocol(peer) >= 6 {
+            let name = self.cluster.peer_name(peer);
+            for (client, copy) in &self.replicas.copies {
+                if Some(&copy.home) == name.as_ref() && !map.owners(client).contains(&THIS_NODE) {
+                    checks.push((client.clone(), copy.stamp));
+                }
             }
         }
         for (client, stamp) in checks {
@@ -908,6 +994,7 @@ impl Engine {
     /// Looks for copies whose home has been down for the takeover time and that this node
     /// is the first owner up to take over (at most once per down period of a peer).
     pub(super) fn replicas_tick(&mut self, now: u64) {
+        self.stream_copies();
         self.watch_copies(now);
         if !self.replicas.unconfirmed.is_empty() {
             let due: Vec<SessionId> = self

@@ -1541,14 +1541,27 @@ fn an_owner_holding_a_copy_answers_a_claim_once_the_live_home_handed_the_session
     assert!(n.h[1].e.has_cluster_output());
 }
 
+/// Node `i`'s tick, `ms` later than its last moment.
+fn tick_after(n: &mut Nodes, i: usize, ms: u64) {
+    n.h[i].now += ms;
+    let now = n.h[i].now;
+    n.h[i].e.tick(now);
+}
+
 #[test]
 fn a_map_change_moves_the_copy_to_the_new_owner_and_the_old_one_drops_it() {
+    // Protocol 4 (before streams): the former owner drops its copy at the map change.
     let (mut n, mut disks) = dev_on_node0();
     assert_eq!(copy_count(&disks[1]), 2);
     // The partition moves from node 1 to node 2.
     for i in 0..3 {
         set_map(&mut n, i, &[0, 2], 2);
     }
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(copy_count(&disks[1]), 0, "{:?}", disks[1].keys());
+    // The home streams the session to node 2 at its next tick.
+    assert_eq!(copy_count(&disks[2]), 0);
+    tick_after(&mut n, 0, 100);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(copy_count(&disks[1]), 0, "{:?}", disks[1].keys());
     assert_eq!(copy_count(&disks[2]), 2);
@@ -1560,6 +1573,169 @@ fn a_map_change_moves_the_copy_to_the_new_owner_and_the_old_one_drops_it() {
     set_map(&mut n, 1, &[0, 2], 2);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(copy_count(&disks[1]), 2);
+}
+
+/// `dev_on_node0_with_m1` between nodes of protocol 6, and the partition moved from node 1
+/// to node 2 on every node.
+fn dev_moving_from_node1_to_node2() -> (Nodes, Vec<Disk>, crate::broker::ConnId) {
+    let (mut n, mut disks) = dev_on_node0_with_m1();
+    protocol(&mut n, 6);
+    assert_eq!(copy_count(&disks[1]), 3);
+    for i in 0..3 {
+        set_map(&mut n, i, &[0, 2], 2);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub2", Protocol::V5, true));
+    (n, disks, publisher)
+}
+
+#[test]
+fn a_map_change_streams_the_session_to_the_new_owner_and_the_former_one_keeps_its_copy_until_then()
+{
+    let (mut n, mut disks, publisher) = dev_moving_from_node1_to_node2();
+    // Nothing streamed yet: node 1 keeps its copy, and what is queued meanwhile is copied
+    // there (acknowledged as safe, not degraded).
+    assert_eq!(copy_count(&disks[1]), 3);
+    n.h[2].publish(publisher, "cmd/dev", "m2", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(matches!(
+        n.h[2].recv_one(publisher).as_slice(),
+        [Packet::PubAck(_)]
+    ));
+    assert_eq!(copy_count(&disks[1]), 4);
+    assert_eq!(copy_count(&disks[2]), 0);
+    assert_eq!(n.h[0].e.replica_stats().degraded_acks, 0);
+    assert_eq!(n.h[0].e.replica_stats().stream_backlog, 1);
+    // The home's tick streams it to node 2; node 1 is released once node 2 acknowledged.
+    tick_after(&mut n, 0, 100);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(copy_count(&disks[2]), 4, "{:?}", disks[2].keys());
+    assert_eq!(copy_count(&disks[1]), 4);
+    tick_after(&mut n, 0, 100);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(copy_count(&disks[1]), 0, "{:?}", disks[1].keys());
+    assert_eq!(n.h[1].e.replica_stats().copies, 0);
+    assert_eq!(n.h[0].e.replica_stats().streamed, 1);
+    assert_eq!(n.h[0].e.replica_stats().stream_backlog, 0);
+    // From now on the copy ops go to node 2 only.
+    n.h[2].publish(publisher, "cmd/dev", "m3", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(copy_count(&disks[2]), 5);
+    assert_eq!(copy_count(&disks[1]), 0);
+}
+
+#[test]
+fn a_home_that_dies_before_the_new_owner_has_its_copy_leaves_it_on_the_former_owner() {
+    let (mut n, mut disks, publisher) = dev_moving_from_node1_to_node2();
+    n.h[2].publish(publisher, "cmd/dev", "m2", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    // The stream to node 2 is lost on the way, then node 0 dies.
+    n.cut.push((0, 2));
+    tick_after(&mut n, 0, 100);
+    settle_and_sync(&mut n, &mut disks);
+    n.cut.clear();
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    assert_eq!(copy_count(&disks[2]), 0);
+    assert_eq!(copy_count(&disks[1]), 4);
+    // The client comes back on node 2: node 1 answers from its copy.
+    let back = n.h[2].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(serve_copy_loads(&mut n.h[1], &disks[1]), 1);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[2].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), ["m1", "m2"]);
+}
+
+#[test]
+fn streaming_after_a_map_change_is_paced_by_the_new_owners_link() {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
+    protocol(&mut n, 6);
+    // 48 offline sessions with a 400 kB message each (that compresses about 2:1 in the
+    // store): about 10 MB to move.
+    let mut x: u64 = 1;
+    let big: String = (0..400_000)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            char::from(b'a' + (x >> 59) as u8)
+        })
+        .collect();
+    for i in 0..48 {
+        offline_session(
+            &mut n,
+            0,
+            super::tests::connect(&format!("dev{i}"), Protocol::V311, false),
+            QoS::AtLeastOnce,
+        );
+    }
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    n.h[2].publish(publisher, "cmd/all", &big, QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    for i in 0..3 {
+        set_map(&mut n, i, &[0, 2], 2);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    // One tick sends at most STREAM_TICK_BYTES (4 MiB), and nothing while node 2's link
+    // holds 8 MiB unacknowledged.
+    n.cut.push((0, 2));
+    tick_after(&mut n, 0, 100);
+    let first = n.h[0].e.replica_stats().streamed;
+    assert!((5..24).contains(&first), "{first}");
+    tick_after(&mut n, 0, 100);
+    let second = n.h[0].e.replica_stats().streamed;
+    assert!(second > first && second < 48, "{first} {second}");
+    tick_after(&mut n, 0, 100);
+    assert_eq!(
+        n.h[0].e.replica_stats().streamed,
+        second,
+        "past 8 MiB unacknowledged"
+    );
+    settle_and_sync(&mut n, &mut disks);
+    n.cut.clear();
+    // Lost on the cut link: sent again when the link comes back; the rest follows as node 2
+    // acknowledges.
+    n.cut_link(0, 2);
+    n.heal_link(0, 2);
+    for _ in 0..10 {
+        tick_after(&mut n, 0, 100);
+        settle_and_sync(&mut n, &mut disks);
+    }
+    assert_eq!(n.h[0].e.replica_stats().streamed, 48);
+    assert_eq!(n.h[0].e.replica_stats().stream_backlog, 0);
+    assert_eq!(n.h[2].e.replica_stats().copies, 48);
+    assert_eq!(n.h[1].e.replica_stats().copies, 0);
+    assert_eq!(n.stats(0, 2).dropped, 0);
+}
+
+#[test]
+fn an_owner_back_with_an_empty_disk_is_streamed_the_copies_it_lacks() {
+    let (mut n, mut disks) = dev_on_node0_with_m1();
+    protocol(&mut n, 6);
+    assert_eq!(copy_count(&disks[1]), 3);
+    // Node 1 comes back with an empty data directory.
+    n.cut_link(1, 0);
+    n.cut_link(1, 2);
+    let mut fresh = Harness::with(durable());
+    fresh.e.set_wall_clock(fresh.now, fresh.now);
+    fresh.e.cluster_start(777, "node1");
+    for j in [0, 2] {
+        n.peer[1][j] = fresh.e.cluster_add_peer(&format!("node{j}"));
+    }
+    n.h[1] = fresh;
+    disks[1] = Disk::new();
+    protocol(&mut n, 6);
+    set_map(&mut n, 1, &[0, 1], 1);
+    n.heal_link(1, 0);
+    n.heal_link(1, 2);
+    settle_and_sync(&mut n, &mut disks);
+    // The home's check finds no copy there: it streams one at its next tick.
+    tick_after(&mut n, 0, 100);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(copy_count(&disks[1]), 3, "{:?}", disks[1].keys());
+    assert_eq!(n.h[0].e.replica_stats().streamed, 1);
 }
 
 #[test]

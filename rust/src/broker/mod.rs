@@ -12,6 +12,7 @@ mod cluster;
 mod cluster_replicas;
 mod cluster_retained;
 mod cluster_sessions;
+mod cluster_streams;
 #[cfg(test)]
 mod cluster_tests;
 mod config;

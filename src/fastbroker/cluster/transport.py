@@ -56,13 +56,15 @@ logger = logging.getLogger("fastbroker.cluster.transport")
 
 MAGIC = "fastbroker-cluster"
 # The inter-node protocol versions this build speaks. A node of the next release speaks
-# [2, 6] and talks 5 with this one, which lets a cluster run mixed during a rolling upgrade.
+# [2, 7] and talks 6 with this one, which lets a cluster run mixed during a rolling upgrade.
 # Version 2 added the data plane (routes and forwarded messages): a version 1 node, which
 # cannot carry them, is refused at handshake. Version 3 added DATA_KEEPALIVE, claims and
 # kicks. Version 4 added copies of sessions (Copy, CopyCheck, Fence batch items). Version 5
 # added message ids (a session that just moved tells a message that reached it twice).
+# Version 6: a home streams copies to a partition's new owners and then releases the former
+# owners' (which keep theirs until then), and an owner without a copy asks for one.
 PROTOCOL_MIN = 2
-PROTOCOL_MAX = 5
+PROTOCOL_MAX = 6
 
 CONTROL = "control"
 DATA_CHANNEL = "data"
