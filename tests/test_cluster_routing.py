@@ -1091,6 +1091,15 @@ def test_a_joining_node_is_streamed_the_copies_it_owns_and_the_home_can_then_die
             )
 
         wait_for(streamed, 15, "copies streamed to n3", n1, n3)
+
+        # Cluster status shows each member's rebalance backlog (STREAMING), from its pings.
+        def backlog() -> dict[str, Any]:
+            return {
+                m["node_id"]: m["streaming"]
+                for m in n2.request("GET", "/cluster/status")["members"]
+            }
+
+        wait_for(lambda: backlog() == {"n1": 0, "n2": 0, "n3": 0}, 10, "status", n2)
         # n3 owns some of the partitions now; n2 holds only those it still owns.
         wait_for(lambda: metric(n2, "cluster_session_copies") < 12, 10, "released", n2)
         assert metric(n3, "cluster_session_copies") >= 1

@@ -229,10 +229,22 @@ def status(admin: str, as_json: bool, partitions: bool) -> None:
         f"leader {data.get('leader') or 'unknown'}{pending}"
     )
     rows = [
-        ("NODE", "ADDRESS", "STATE", "ROLE", "CLIENTS", "SESSIONS", "COPIES", "PRIMARY", "FOLLOWER")
+        (
+            "NODE",
+            "ADDRESS",
+            "STATE",
+            "ROLE",
+            "CLIENTS",
+            "SESSIONS",
+            "COPIES",
+            "STREAMING",
+            "PRIMARY",
+            "FOLLOWER",
+        )
     ]
     for m in data["members"]:
         clients, sessions, copies = m.get("clients"), m.get("sessions"), m.get("copies")
+        streaming = m.get("streaming")
         rows.append(
             (
                 m["node_id"],
@@ -242,6 +254,7 @@ def status(admin: str, as_json: bool, partitions: bool) -> None:
                 "?" if clients is None else str(clients),
                 "?" if sessions is None else str(sessions),
                 "?" if copies is None else str(copies),
+                "?" if streaming is None else str(streaming),
                 str(len(m["primary"])),
                 str(len(m["follower"])),
             )

@@ -27,6 +27,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
+use super::cluster_replicas::CopyOp;
 use super::cluster_retained::RetainedStamps;
 use super::router::{forwarded_props, Scope};
 use super::state::{Message, SessionId};
@@ -501,13 +502,16 @@ impl Cluster {
         stamp: Stamp,
         key: &[u8],
         value: Option<&[u8]>,
+        at: u64,
     ) -> Option<(bool, u64)> {
         let durable = self.durable;
         let peer = self.peer_mut(id)?;
         if peer.seen_up && peer.protocol < 4 {
             return None;
         }
-        peer.items.copy(map, stamp, key, value);
+        // Only a peer known to speak protocol 6 reads the moment.
+        let at = (peer.seen_up && peer.protocol >= 6).then_some(at);
+        peer.items.copy(map, stamp, key, value, at);
         peer.reliable = true;
         let at = (peer.up, peer.next_seq);
         if !peer.up && durable {
@@ -590,15 +594,18 @@ impl Cluster {
         }
     }
 
+    /// `copy_at`: answered from a copy current as of then (told to peers of protocol 6).
     pub(super) fn queue_claim_answer(
         &mut self,
         id: PeerId,
         client_id: &str,
         stamp: Stamp,
         records: &[(Vec<u8>, Vec<u8>)],
+        copy_at: Option<u64>,
     ) {
         if let Some(peer) = self.peer_mut(id) {
-            peer.items.claim_answer(client_id, stamp, records);
+            let copy_at = copy_at.filter(|_| peer.protocol >= 6);
+            peer.items.claim_answer(client_id, stamp, records, copy_at);
             peer.reliable = true;
             self.has_output = true;
         }
@@ -1427,7 +1434,8 @@ impl Engine {
                     client_id,
                     stamp,
                     records,
-                } => self.claim_answered(id, client_id, stamp, &records, now),
+                    copy_at,
+                } => self.claim_answered(id, client_id, stamp, &records, copy_at, now),
                 Item::Message(m) => {
                     let msg = messages.next().expect("one per message item");
                     let scope = Scope::Forwarded {
@@ -1444,7 +1452,17 @@ impl Engine {
                     stamp,
                     key,
                     value,
-                } => self.copy_received(id, map, stamp, key, value, now),
+                    at,
+                } => {
+                    let op = CopyOp {
+                        map,
+                        stamp,
+                        key,
+                        value,
+                        at,
+                    };
+                    self.copy_received(id, op, now);
+                }
                 Item::CopyCheck { client_id, stamp } => {
                     self.copy_check_received(id, client_id, stamp);
                 }

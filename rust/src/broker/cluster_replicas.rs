@@ -22,7 +22,9 @@
 //!   sessions (`CopyCheck`), so a node back from the dead learns which of its sessions live
 //!   elsewhere now.
 //! - **A dead home.** A claim for a client whose home is down is answered from the copy
-//!   (read back from the store), also the claimant's own copy. An owner that still sees the
+//!   (read back from the store), also the claimant's own copy; the claimant takes the most
+//!   current of the copies it gets (`Copy::at`: two owners besides the home can differ by
+//!   what was acknowledged with the first one only). An owner that still sees the
 //!   home up holds its answer until the home hands the session over or goes down (a killed
 //!   home's claimant may notice first). A home down for the takeover time (the failure
 //!   timeout) has its sessions taken over by the first owner that is up: it installs the
@@ -44,6 +46,15 @@ use crate::codec::QoS;
 use crate::store::envelope;
 use crate::store::records;
 use crate::store::wire::{Reader, Writer};
+
+/// A `Copy` item as received (see `batch::Item::Copy`).
+pub(super) struct CopyOp<'a> {
+    pub(super) map: u64,
+    pub(super) stamp: Stamp,
+    pub(super) key: &'a [u8],
+    pub(super) value: Option<&'a [u8]>,
+    pub(super) at: u64,
+}
 
 /// This node in a partition's owner list (`cluster_set_map`).
 pub const THIS_NODE: PeerId = PeerId::MAX;
@@ -69,6 +80,9 @@ impl SessionMap {
 struct Copy {
     home: Arc<str>,
     stamp: Stamp,
+    /// The home's moment of the last operation applied (0: unknown, as after a restart):
+    /// how current this copy is, against another owner's.
+    at: u64,
     /// The session's own keys held (the store keys are `copy_key(client, key)`).
     keys: HashSet<Box<[u8]>>,
 }
@@ -347,11 +361,13 @@ impl Engine {
         targets.clear();
         targets.extend(map.owners(client).iter().filter(|&&p| p != THIS_NODE));
         self.replicas.streams.adjust_targets(client, &mut targets);
+        let wall = self.wall(self.last_now);
+        let at = self.cluster.retained.next(wall).clock;
         let need = usize::from(self.cfg.cluster_ack_replicas.saturating_sub(1));
         let mut waited = 0;
         let mut queued = false;
         for &t in &targets {
-            let Some((up, seq)) = self.cluster.queue_copy(t, version, stamp, key, value) else {
+            let Some((up, seq)) = self.cluster.queue_copy(t, version, stamp, key, value, at) else {
                 continue;
             };
             queued = true;
@@ -395,11 +411,12 @@ impl Engine {
             None => self.replicas.other_owners(&client),
         };
         let records = self.session_records(sid, false, now);
+        let at = self.cluster.retained.next(self.wall(now)).clock;
         for &t in &targets {
             let mut end = None;
             for (key, value) in &records {
-                if let Some((_, seq)) = self.cluster.queue_copy(t, version, stamp, key, Some(value))
-                {
+                let value = Some(&value[..]);
+                if let Some((_, seq)) = self.cluster.queue_copy(t, version, stamp, key, value, at) {
                     self.replicas.stats.ops_out += 1;
                     end = Some(seq);
                 }
@@ -412,15 +429,14 @@ impl Engine {
 
     /// A copy operation from peer `peer` (the session's home). Errors are a hostile or
     /// broken peer's (the link is dropped); an older version is refused with a `Fence`.
-    pub(super) fn copy_received(
-        &mut self,
-        peer: PeerId,
-        map: u64,
-        stamp: Stamp,
-        key: &[u8],
-        value: Option<&[u8]>,
-        now: u64,
-    ) {
+    pub(super) fn copy_received(&mut self, peer: PeerId, op: CopyOp<'_>, now: u64) {
+        let CopyOp {
+            map,
+            stamp,
+            key,
+            value,
+            at,
+        } = op;
         let Some(client) = records::session_client(key) else {
             return;
         };
@@ -496,12 +512,14 @@ impl Engine {
                 Copy {
                     home,
                     stamp,
+                    at: 0,
                     keys: HashSet::new(),
                 },
             );
         }
         let store_key = records::copy_key(&client, key);
         let copy = self.replicas.copies.get_mut(&client).expect("made above");
+        copy.at = copy.at.max(at);
         match value {
             Some(v) => {
                 copy.keys.insert(key.into());
@@ -545,6 +563,7 @@ impl Engine {
             let copy = self.replicas.copies.entry(client).or_insert_with(|| Copy {
                 home: Arc::from(""),
                 stamp,
+                at: 0,
                 keys: HashSet::new(),
             });
             copy.home = Arc::from(home);
@@ -986,7 +1005,7 @@ impl Engine {
             } else {
                 // Handed over by its home (or gone, or no word from it): nothing here.
                 self.cluster
-                    .queue_claim_answer(w.peer, &w.client, w.stamp, &[]);
+                    .queue_claim_answer(w.peer, &w.client, w.stamp, &[], None);
             }
         }
     }
@@ -1080,6 +1099,7 @@ impl Engine {
         let Some(want) = self.replicas.wanted.remove(client_id) else {
             return problems;
         };
+        let at = self.replicas.copies.get(client_id).map_or(0, |c| c.at);
         let prefix = records::copy_key(client_id, b"").len();
         let mut inner: Vec<(Vec<u8>, Vec<u8>)> = Vec::with_capacity(recs.len());
         for &(key, value) in recs {
@@ -1099,7 +1119,7 @@ impl Engine {
                 self.replicas.stats.claims_served += 1;
                 self.drop_copy(client_id);
                 self.cluster
-                    .queue_claim_answer(peer, client_id, stamp, &inner);
+                    .queue_claim_answer(peer, client_id, stamp, &inner, Some(at));
                 // Kept on disk in the same write that deletes the copy.
                 self.cluster.seal_for(peer);
                 self.store_outgoing(peer);
@@ -1108,7 +1128,7 @@ impl Engine {
                 self.replicas.stats.claims_served += 1;
                 let pairs: Vec<(&[u8], &[u8])> =
                     inner.iter().map(|(k, v)| (&k[..], &v[..])).collect();
-                self.own_copy_loaded(client_id, &pairs, now);
+                self.own_copy_loaded(client_id, &pairs, at, now);
             }
             Use::Takeover => {
                 if self.by_client.contains_key(client_id) {

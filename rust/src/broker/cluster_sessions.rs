@@ -78,6 +78,18 @@ struct Claim {
     /// Messages for the session on its way here that reached this node first (through an
     /// old relay of it, or relayed before it arrived): delivered to it once installed.
     early: Vec<(Arc<Message>, QoS, bool, Vec<u32>)>,
+    /// The most current answer read from a copy so far (its home's moment, who sent it,
+    /// the records), installed when every answer is in: owners' copies can lag each other
+    /// by what was acknowledged with fewer of them.
+    best_copy: Option<CopyAnswer>,
+}
+
+/// An answer to a claim read from an owner's copy.
+struct CopyAnswer {
+    /// The home's moment the copy was current as of.
+    at: u64,
+    from: PeerId,
+    records: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
 #[derive(Default)]
@@ -178,6 +190,7 @@ impl Engine {
                 discard,
                 deadline: now + CLAIM_TIMEOUT_MS,
                 early: Vec::new(),
+                best_copy: None,
             },
         );
     }
@@ -195,7 +208,8 @@ impl Engine {
         if let Some(ours) = self.claims.pending.get(client_id) {
             if ours.stamp > stamp {
                 // Ours is newer: theirs finds nothing here, and ours takes over from it.
-                self.cluster.queue_claim_answer(peer, client_id, stamp, &[]);
+                self.cluster
+                    .queue_claim_answer(peer, client_id, stamp, &[], None);
             } else {
                 // One per peer and client id (its newest): a peer cannot grow the list.
                 self.claims
@@ -227,7 +241,8 @@ impl Engine {
         }
         if sid.is_some_and(|sid| self.claims.won.get(&sid).is_some_and(|&w| w > stamp)) {
             // Made by a newer claim than this one: it stays.
-            self.cluster.queue_claim_answer(peer, client_id, stamp, &[]);
+            self.cluster
+                .queue_claim_answer(peer, client_id, stamp, &[], None);
             return;
         }
         if let Some(sid) = sid {
@@ -253,7 +268,7 @@ impl Engine {
             }
         }
         self.cluster
-            .queue_claim_answer(peer, client_id, stamp, &records);
+            .queue_claim_answer(peer, client_id, stamp, &records, None);
         if !records.is_empty() {
             // Kept on disk in the same write that deletes the session's own records: it is
             // on one disk or the other whatever crashes.
@@ -262,30 +277,35 @@ impl Engine {
         }
     }
 
-    /// A peer answered the claim with `stamp` (records: the session, if it held one).
+    /// A peer answered the claim with `stamp` (records: the session, if it held one;
+    /// `copy_at`: read from its copy, current as of that moment of the session's home).
     pub(super) fn claim_answered(
         &mut self,
         peer: PeerId,
         client_id: &str,
         stamp: Stamp,
         records: &[(&[u8], &[u8])],
+        copy_at: Option<u64>,
         now: u64,
     ) {
         if !records.is_empty() {
-            let ours = self.claims.pending.get(client_id);
+            let ours = self.claims.pending.get_mut(client_id);
             match ours {
+                Some(claim) if claim.stamp == stamp && copy_at.is_some() => {
+                    // Kept until every answer is in: another owner's copy may be more
+                    // current (it acknowledged what this one had not got yet).
+                    let at = copy_at.expect("checked");
+                    if claim.best_copy.as_ref().is_none_or(|b| b.at < at) {
+                        let owned = records.iter().map(|(k, v)| (k.to_vec(), v.to_vec()));
+                        claim.best_copy = Some(CopyAnswer {
+                            at,
+                            from: peer,
+                            records: owned.collect(),
+                        });
+                    }
+                }
                 Some(claim) if claim.stamp == stamp => {
-                    // An older version restored here gives way, with what waited for it.
-                    let held = self.replace_unconfirmed(client_id, peer, now);
-                    // Installed now: the CONNECT finds it when every answer is in.
-                    if !self.by_client.contains_key(client_id) {
-                        self.install_session(client_id, records, now);
-                    }
-                    if let Some(&sid) = self.by_client.get(client_id) {
-                        for h in held {
-                            self.deliver(sid, &h.msg, h.qos, h.retain, h.sub_ids, now);
-                        }
-                    }
+                    self.install_claimed(peer, client_id, records, now);
                 }
                 _ if !self.by_client.contains_key(client_id) => {
                     // No claim waits (this node restarted, or gave up): kept, disconnected.
@@ -314,17 +334,40 @@ impl Engine {
         }
     }
 
-    /// This node's copy of `client_id`, read back for its own claim: installed as an answer.
+    /// The session a claim of this node brought, from `peer` (an older version restored
+    /// here gives way, with what waited for it); the CONNECT finds it when every answer is
+    /// in.
+    fn install_claimed(
+        &mut self,
+        peer: PeerId,
+        client_id: &str,
+        records: &[(&[u8], &[u8])],
+        now: u64,
+    ) {
+        let held = self.replace_unconfirmed(client_id, peer, now);
+        if !self.by_client.contains_key(client_id) {
+            self.install_session(client_id, records, now);
+        }
+        if let Some(&sid) = self.by_client.get(client_id) {
+            for h in held {
+                self.deliver(sid, &h.msg, h.qos, h.retain, h.sub_ids, now);
+            }
+        }
+    }
+
+    /// This node's copy of `client_id` (current as of `at`), read back for its own claim:
+    /// taken as an answer.
     pub(super) fn own_copy_loaded(
         &mut self,
         client_id: &str,
         records: &[(&[u8], &[u8])],
+        at: u64,
         now: u64,
     ) {
         match self.claims.pending.get(client_id) {
             Some(claim) => {
                 let stamp = claim.stamp;
-                self.claim_answered(THIS_NODE, client_id, stamp, records, now);
+                self.claim_answered(THIS_NODE, client_id, stamp, records, Some(at), now);
             }
             // The claim went on without it (its timeout): a session made meanwhile stays.
             None if self.by_client.contains_key(client_id) => {}
@@ -409,9 +452,17 @@ impl Engine {
     /// Every answer is in (or no more can come): the CONNECT goes on, and the newer claims
     /// of peers that waited for it are served.
     fn finish_claim(&mut self, client_id: &str, now: u64) {
-        let Some(claim) = self.claims.pending.remove(client_id) else {
+        let Some(mut claim) = self.claims.pending.remove(client_id) else {
             return;
         };
+        if let Some(best) = claim.best_copy.take() {
+            // The most current copy, unless the live home answered (its session is here).
+            if !self.by_client.contains_key(client_id) {
+                let pairs: Vec<(&[u8], &[u8])> =
+                    best.records.iter().map(|(k, v)| (&k[..], &v[..])).collect();
+                self.install_claimed(best.from, client_id, &pairs, now);
+            }
+        }
         // The connection may have closed meanwhile (its slot even reused).
         let live = self.conn(claim.conn).is_some_and(|c| {
             c.state == ConnState::AwaitClaim && c.client_id == claim.connect.client_id

@@ -258,9 +258,10 @@ impl Engine {
         let Some(stamp) = stamp else { return };
         let version = self.replicas.map_version();
         let key = records::session_key(client_id);
+        let at = self.cluster.retained.next(self.wall(self.last_now)).clock;
         if self
             .cluster
-            .queue_copy(peer, version, stamp, &key, None)
+            .queue_copy(peer, version, stamp, &key, None, at)
             .is_some()
         {
             self.replicas.stats.ops_out += 1;

@@ -1149,7 +1149,7 @@ fn a_claim_answer_naming_another_client_is_refused() {
     let c = n.h[1].open_connect(persistent_v5("victim"));
     let mut w = batch::ItemWriter::default();
     let rec = (crate::store::records::session_key("other"), b"x".to_vec());
-    w.claim_answer("victim", Stamp { clock: 1, node: 1 }, &[rec]);
+    w.claim_answer("victim", Stamp { clock: 1, node: 1 }, &[rec], None);
     let frame = w.finish(batch::Header {
         epoch: 7,
         seq: 1,
@@ -1739,6 +1739,50 @@ fn an_owner_back_with_an_empty_disk_is_streamed_the_copies_it_lacks() {
 }
 
 #[test]
+fn a_claim_answered_from_two_copies_takes_the_more_current_one() {
+    // Node 0 homes dev; nodes 1 and 2 own its partition (both hold copies); node 3 claims.
+    let (mut n, mut disks) = copying_nodes(4, &[1, 2], 0);
+    protocol(&mut n, 6);
+    offline_session(
+        &mut n,
+        0,
+        super::tests::connect("dev", Protocol::V311, false),
+        QoS::AtLeastOnce,
+    );
+    let publisher = connect_on(&mut n, 0, super::tests::connect("pub", Protocol::V5, true));
+    n.h[0].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    // m2 is acknowledged with node 2's copy alone (ack_replicas 2: one owner besides the
+    // home); node 1's batch is lost as node 0 is killed.
+    n.cut.push((0, 1));
+    n.h[0].publish(publisher, "cmd/dev", "m2", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(matches!(
+        n.h[0].recv_one(publisher).as_slice(),
+        [Packet::PubAck(_)]
+    ));
+    n.cut.clear();
+    for j in 1..4 {
+        n.cut_link(0, j);
+    }
+    // dev comes back on node 3: both owners answer from their copies, node 1 (the
+    // lagging one) first.
+    let back = n.h[3].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(serve_copy_loads(&mut n.h[1], &disks[1]), 1);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(
+        n.h[3].recv_one(back).is_empty(),
+        "waits for node 2's answer"
+    );
+    assert_eq!(serve_copy_loads(&mut n.h[2], &disks[2]), 1);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[3].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), ["m1", "m2"]);
+}
+
+#[test]
 fn a_dead_homes_session_is_taken_over_once_and_its_will_published_once() {
     let (mut n, mut disks) = copying_nodes(3, &[0, 1], 5_000);
     let mut c = persistent_v5("lamp");
@@ -1806,7 +1850,7 @@ fn a_copy_of_an_older_version_is_refused_and_its_sender_fenced() {
     settle_and_sync(&mut n, &mut disks);
     // ... and node 0 sends a copy of an older version of it: refused, node 0 told.
     let mut w = batch::ItemWriter::default();
-    w.copy(1, Stamp { clock: 1, node: 1 }, &key, None);
+    w.copy(1, Stamp { clock: 1, node: 1 }, &key, None, None);
     let frame = w.finish(batch::Header::default());
     let p = n.peer[1][0];
     let now = n.h[1].now;
@@ -1815,7 +1859,7 @@ fn a_copy_of_an_older_version_is_refused_and_its_sender_fenced() {
     assert_eq!(n.h[1].e.session_count(), 1);
     // A copy of a record that is not a session's is a broken peer.
     let mut w = batch::ItemWriter::default();
-    w.copy(1, Stamp::default(), b"r/topic", Some(b"v"));
+    w.copy(1, Stamp::default(), b"r/topic", Some(b"v"), None);
     let frame = w.finish(batch::Header::default());
     assert!(n.h[1].e.cluster_feed(p, &body_of(&frame), now).is_err());
 }

@@ -56,8 +56,12 @@ const ITEM_COPY_CHECK: u8 = 12;
 const ITEM_FENCE: u8 = 13;
 const ITEM_INSTALLED: u8 = 14;
 const ITEM_SAFE: u8 = 15;
+const ITEM_COPY_ANSWER: u8 = 16;
 
 const CLAIM_DISCARD: u8 = 1;
+/// `Copy` flags: a value follows (a put, else a delete); the home's moment follows (6).
+const COPY_PUT: u8 = 1;
+const COPY_AT: u8 = 2;
 
 const MSG_RETAIN: u8 = 0b100;
 const MSG_NOT_PLAIN: u8 = 0b1000;
@@ -155,20 +159,25 @@ pub enum Item<'a> {
         discard: bool,
     },
     /// The answer to the claim with `stamp`: the session's store records (key, sealed value)
-    /// as the store holds them, or none.
+    /// as the store holds them, or none. `copy_at` (protocol 6): read from a copy, which was
+    /// current as of that moment of its home (`Copy::at`); the claimant takes the newest.
     ClaimAnswer {
         client_id: &'a str,
         stamp: Stamp,
         records: Vec<(&'a [u8], &'a [u8])>,
+        copy_at: Option<u64>,
     },
     /// One store operation on a session record of the sender (its home), for the receiver's
     /// copy (protocol 4): put `value` (sealed, as the sender stores it) under `key`, or
-    /// delete it. `stamp` is the session's version; `map` the sender's partition map version.
+    /// delete it. `stamp` is the session's version; `map` the sender's partition map version;
+    /// `at` (protocol 6, else 0) the home's clock when it made the operation: how current a
+    /// copy is, compared between owners.
     Copy {
         map: u64,
         stamp: Stamp,
         key: &'a [u8],
         value: Option<&'a [u8]>,
+        at: u64,
     },
     /// The sender holds session `client_id` at version `stamp` (sent when a link comes up):
     /// the receiver answers with a `Fence`.
@@ -283,30 +292,55 @@ impl ItemWriter {
         self.count += 1;
     }
 
-    pub fn claim_answer(&mut self, client_id: &str, stamp: Stamp, records: &[(Vec<u8>, Vec<u8>)]) {
+    pub fn claim_answer(
+        &mut self,
+        client_id: &str,
+        stamp: Stamp,
+        records: &[(Vec<u8>, Vec<u8>)],
+        copy_at: Option<u64>,
+    ) {
+        let kind = match copy_at {
+            Some(_) => ITEM_COPY_ANSWER,
+            None => ITEM_CLAIM_ANSWER,
+        };
         self.w
-            .u8(ITEM_CLAIM_ANSWER)
+            .u8(kind)
             .bytes(client_id.as_bytes())
             .u64(stamp.clock)
-            .u64(stamp.node)
-            .u32(records.len() as u32);
+            .u64(stamp.node);
+        if let Some(at) = copy_at {
+            self.w.u64(at);
+        }
+        self.w.u32(records.len() as u32);
         for (key, value) in records {
             self.w.bytes(key).bytes(value);
         }
         self.count += 1;
     }
 
-    pub fn copy(&mut self, map: u64, stamp: Stamp, key: &[u8], value: Option<&[u8]>) {
+    /// `at`: the home's moment (sent to peers of protocol 6 only).
+    pub fn copy(
+        &mut self,
+        map: u64,
+        stamp: Stamp,
+        key: &[u8],
+        value: Option<&[u8]>,
+        at: Option<u64>,
+    ) {
         self.w
             .u8(ITEM_COPY)
             .u64(map)
             .u64(stamp.clock)
             .u64(stamp.node)
             .bytes(key);
-        match value {
-            Some(v) => self.w.u8(1).bytes(v),
-            None => self.w.u8(0),
-        };
+        let flags = u8::from(value.is_some()) * COPY_PUT + u8::from(at.is_some()) * COPY_AT;
+        self.w.u8(flags);
+        if let Some(at) = at {
+            self.w.u64(at);
+        }
+        if let Some(v) = value {
+            self.w.bytes(v);
+        }
         self.count += 1;
     }
 
@@ -531,7 +565,8 @@ fn client_id(b: &[u8]) -> Result<&str, BatchError> {
 }
 
 fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
-    Ok(match r.u8()? {
+    let kind = r.u8()?;
+    Ok(match kind {
         ITEM_ROUTE_SNAPSHOT => {
             let version = r.u64()?;
             let n = r.u32()?;
@@ -570,11 +605,16 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
                 discard: flags & CLAIM_DISCARD != 0,
             }
         }
-        ITEM_CLAIM_ANSWER => {
+        ITEM_CLAIM_ANSWER | ITEM_COPY_ANSWER => {
             let client_id = client_id(r.bytes()?)?;
             let stamp = Stamp {
                 clock: r.u64()?,
                 node: r.u64()?,
+            };
+            let copy_at = if kind == ITEM_COPY_ANSWER {
+                Some(r.u64()?)
+            } else {
+                None
             };
             let n = r.u32()?;
             let mut records = Vec::new();
@@ -585,6 +625,7 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
                 client_id,
                 stamp,
                 records,
+                copy_at,
             }
         }
         ITEM_MESSAGE => Item::Message(read_message(r)?),
@@ -592,16 +633,22 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
             let map = r.u64()?;
             let stamp = read_stamp(r)?;
             let key = r.bytes()?;
-            let value = match r.u8()? {
-                0 => None,
-                1 => Some(r.bytes()?),
-                _ => return Err(BatchError("bad copy flag".into())),
+            let flags = r.u8()?;
+            if flags & !(COPY_PUT | COPY_AT) != 0 {
+                return Err(BatchError("bad copy flag".into()));
+            }
+            let at = if flags & COPY_AT != 0 { r.u64()? } else { 0 };
+            let value = if flags & COPY_PUT != 0 {
+                Some(r.bytes()?)
+            } else {
+                None
             };
             Item::Copy {
                 map,
                 stamp,
                 key,
                 value,
+                at,
             }
         }
         ITEM_COPY_CHECK => Item::CopyCheck {
@@ -762,9 +809,12 @@ mod tests {
         w.kick("dev-1");
         let stamp = Stamp { clock: 5, node: 6 };
         w.claim("dev-2", stamp, true);
-        w.claim_answer("dev-2", stamp, &[(b"k".to_vec(), b"v".to_vec())]);
-        w.copy(3, stamp, b"k", Some(b"v"));
-        w.copy(3, stamp, b"k", None);
+        w.claim_answer("dev-2", stamp, &[(b"k".to_vec(), b"v".to_vec())], None);
+        w.claim_answer("dev-2", stamp, &[(b"k".to_vec(), b"v".to_vec())], Some(12));
+        w.copy(3, stamp, b"k", Some(b"v"), None);
+        w.copy(3, stamp, b"k", None, None);
+        w.copy(3, stamp, b"k", Some(b"v"), Some(77));
+        w.copy(3, stamp, b"k", None, Some(78));
         w.copy_check("dev-3", stamp);
         w.fence("dev-3", stamp, "n2");
         w.installed("dev-4");
@@ -805,19 +855,42 @@ mod tests {
                 Item::ClaimAnswer {
                     client_id: "dev-2",
                     stamp,
-                    records: vec![(&b"k"[..], &b"v"[..])]
+                    records: vec![(&b"k"[..], &b"v"[..])],
+                    copy_at: None
+                },
+                Item::ClaimAnswer {
+                    client_id: "dev-2",
+                    stamp,
+                    records: vec![(&b"k"[..], &b"v"[..])],
+                    copy_at: Some(12)
                 },
                 Item::Copy {
                     map: 3,
                     stamp,
                     key: b"k",
-                    value: Some(b"v")
+                    value: Some(b"v"),
+                    at: 0
                 },
                 Item::Copy {
                     map: 3,
                     stamp,
                     key: b"k",
-                    value: None
+                    value: None,
+                    at: 0
+                },
+                Item::Copy {
+                    map: 3,
+                    stamp,
+                    key: b"k",
+                    value: Some(b"v"),
+                    at: 77
+                },
+                Item::Copy {
+                    map: 3,
+                    stamp,
+                    key: b"k",
+                    value: None,
+                    at: 78
                 },
                 Item::CopyCheck {
                     client_id: "dev-3",

@@ -146,6 +146,7 @@ class PeerView:
         "leader",
         "member_ids",
         "sessions",
+        "streaming",
     )
 
     def __init__(self) -> None:
@@ -153,6 +154,7 @@ class PeerView:
         self.clients: int | None = None
         self.sessions: int | None = None
         self.copies: int | None = None
+        self.streaming: int | None = None
         self.address: str | None = None
         self.cluster_id: str | None = None
         self.config_index = 0
@@ -226,7 +228,7 @@ class ClusterNode:
         self.transport.idle_timeout_s = settings.failure_timeout_ms / 1000
         self.dataplane: DataPlane | None = None
         # (clients connected, sessions held, copies held, when) at the last count.
-        self.clients_counted = (0, 0, 0, -1_000_000)
+        self.clients_counted = (0, 0, 0, 0, -1_000_000)
         if engine is not None and server is not None:
             self.dataplane = DataPlane(engine, server, self.transport)
             self.transport.on_data_up = self.dataplane.link_up
@@ -709,6 +711,7 @@ class ClusterNode:
             "clients": self.clients(),
             "sessions": self.sessions(),
             "copies": self.count_clients()[2],
+            "streaming": self.count_clients()[3],
         }
         for peer in self.transport.connected():
             self.transport.send(peer, PING, ping)
@@ -732,6 +735,8 @@ class ClusterNode:
         view.sessions = sessions if type(sessions) is int else None
         copies = ping.get("copies")
         view.copies = copies if type(copies) is int else None
+        streaming = ping.get("streaming")
+        view.streaming = streaming if type(streaming) is int else None
         members = ping.get("members")
         view.member_ids = (
             tuple(m for m in members if isinstance(m, str)) if isinstance(members, list) else ()
@@ -797,21 +802,25 @@ class ClusterNode:
         """The data plane's counters of each peer link, by node id."""
         return self.dataplane.stats() if self.dataplane is not None else {}
 
-    def count_clients(self) -> tuple[int | None, int | None, int | None]:
-        """(clients connected, sessions held, sessions of other nodes copied here)."""
+    def count_clients(self) -> tuple[int | None, int | None, int | None, int | None]:
+        """(clients connected, sessions held, sessions of other nodes copied here, sessions
+        whose copies still stream to new owners: the replication lag of a rebalance)."""
         if self.dataplane is None:
-            return None, None, None
+            return None, None, None, None
         now = monotonic_ms()
-        if now - self.clients_counted[3] >= 1000:
+        if now - self.clients_counted[4] >= 1000:
             engine = self.dataplane.engine
             stats = engine.stats()
+            replicas = engine.replica_stats()
             self.clients_counted = (
                 int(stats["clients_connected"]),
                 int(stats["sessions"]),
-                int(engine.replica_stats()["copies"]),
+                int(replicas["copies"]),
+                int(replicas["stream_backlog"]),
                 now,
             )
-        return self.clients_counted[0], self.clients_counted[1], self.clients_counted[2]
+        counted = self.clients_counted
+        return counted[0], counted[1], counted[2], counted[3]
 
     def retained_pending(self, reachable_only: bool) -> list[str]:
         """Other nodes whose retained set has not arrived since their link came up: members
@@ -867,10 +876,11 @@ class ClusterNode:
                 clients = view.clients if view is not None else None
                 sessions = view.sessions if view is not None else None
                 copies = view.copies if view is not None else None
+                streaming = view.streaming if view is not None else None
                 if member == self.node_id:
                     state = "self"
                     seen = 0
-                    clients, sessions, copies = self.count_clients()
+                    clients, sessions, copies, streaming = self.count_clients()
                 elif member in self.transport.links and view is not None:
                     seen = now - view.last_seen
                     state = "alive" if seen < self.settings.failure_timeout_ms else "suspect"
@@ -887,6 +897,7 @@ class ClusterNode:
                         "clients": clients,
                         "sessions": sessions,
                         "copies": copies,
+                        "streaming": streaming,
                         "primary": self.map.primaries_of(member),
                         "follower": self.map.followers_of(member),
                     }

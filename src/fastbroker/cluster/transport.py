@@ -62,7 +62,9 @@ MAGIC = "fastbroker-cluster"
 # kicks. Version 4 added copies of sessions (Copy, CopyCheck, Fence batch items). Version 5
 # added message ids (a session that just moved tells a message that reached it twice).
 # Version 6: a home streams copies to a partition's new owners and then releases the former
-# owners' (which keep theirs until then), and an owner without a copy asks for one.
+# owners' (which keep theirs until then), an owner without a copy asks for one, and copy
+# operations and claim answers read from copies carry the home's moment (the claimant takes
+# the most current copy).
 PROTOCOL_MIN = 2
 PROTOCOL_MAX = 6
 
