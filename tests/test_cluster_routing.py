@@ -1112,3 +1112,66 @@ def test_a_joining_node_is_streamed_the_copies_it_owns_and_the_home_can_then_die
             got = [m.payload for m in sub.expect(40, 20.0)]
             assert got == [f"{i}:{k}".encode() for k in range(40)], cid
             sub.disconnect()
+
+
+def test_a_home_killed_mid_stream_loses_no_acknowledged_qos1_message(tmp_path):
+    """Six connected persistent QoS 1 subscribers on n1 (each on its own topic: for about a
+    third of them n1 is not an owner of the partition, so two owners hold copies that can
+    differ) while n2 publishes to them; n1 is SIGKILLed in the middle of the stream. The
+    subscribers reconnect to n3 at once and resume from the copies (the most current one);
+    n1 comes back, and what n2 kept for it meanwhile reaches the sessions on n3. Every
+    message n2 acknowledged arrives (QoS 1 may repeat one)."""
+    with Cluster(tmp_path) as cluster:
+        n1, n2, n3 = start_cluster(cluster, 3)
+        root = unique("midkill")
+        expiry = {"SessionExpiryInterval": 300}
+        ids = [unique(f"mk{i}") for i in range(6)]
+        subs = {}
+        for i, cid in enumerate(ids):
+            c = Client(endpoint(n1), client_id=cid, version=5, clean=False, props=expiry)
+            c.connect()
+            c.subscribe(f"{root}/{i}", qos=1)
+            subs[cid] = c
+        wait_rows(n2, "n1", 6)
+        publisher = Client(endpoint(n2), client_id=unique("mkpub"), version=5)
+        publisher.connect()
+        acked: dict[int, list[bytes]] = {i: [] for i in range(len(ids))}
+        sent = threading.Event()
+
+        def publish() -> None:
+            for k in range(150):
+                for i in range(len(ids)):
+                    payload = f"{i}:{k}".encode()
+                    publisher.publish(f"{root}/{i}", payload, qos=1, timeout=15.0)
+                    acked[i].append(payload)
+                if k == 40:
+                    sent.set()
+                time.sleep(0.005)
+
+        sender = threading.Thread(target=publish)
+        sender.start()
+        assert sent.wait(20)
+        n1.kill()
+        got: dict[int, list[bytes]] = {i: [] for i in range(len(ids))}
+        for i, cid in enumerate(ids):
+            got[i] += [m.payload for m in subs[cid].drain(0.0)]
+            subs[cid].close()
+            sub = Client(endpoint(n3), client_id=cid, version=5, clean=False, props=expiry)
+            assert sub.connect().session_present, cid
+            subs[cid] = sub
+        sender.join(90)
+        assert not sender.is_alive()
+        cluster.start(1, join=cluster.seeds(2))
+        wait_for(lambda: serving(n1), 20, "n1 serving", n1)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(
+            set(acked[i]) - set(got[i]) for i in range(len(ids))
+        ):
+            for i, cid in enumerate(ids):
+                got[i] += [m.payload for m in subs[cid].drain(0.2)]
+        missing = {i: sorted(set(acked[i]) - set(got[i])) for i in range(len(ids))}
+        lost = {i: m for i, m in missing.items() if m}
+        degraded = metric(n2, "cluster_degraded_acks_total")
+        assert not lost, f"acknowledged messages lost ({degraded} degraded acks): {lost}"
+        for c in (*subs.values(), publisher):
+            c.disconnect()
