@@ -1175,3 +1175,55 @@ def test_a_home_killed_mid_stream_loses_no_acknowledged_qos1_message(tmp_path):
         assert not lost, f"acknowledged messages lost ({degraded} degraded acks): {lost}"
         for c in (*subs.values(), publisher):
             c.disconnect()
+
+
+def test_a_home_killed_mid_qos2_stream_delivers_each_acknowledged_message_exactly_once(
+    tmp_path,
+):
+    """A persistent QoS 2 subscriber (raw MQTT 3.1.1, keeping its QoS 2 state across
+    connections as a client must) on n1 while n2 publishes QoS 2 to it; n1 is SIGKILLed in
+    the middle of the stream, the subscriber resumes on n3 from the copy, and n1 comes back.
+    Every message n2 completed (PUBCOMP) arrives exactly once."""
+    with Cluster(tmp_path) as cluster:
+        n1, n2, n3 = start_cluster(cluster, 3)
+        cid, topic = unique("q2kill"), unique("q2kill/cmd")
+        receiver = Qos2Receiver(cid, topic)
+        receiver.connect(n1, first=True)
+        wait_rows(n2, "n1", 1)
+        publisher = Client(endpoint(n2), client_id=unique("q2pub"), version=5)
+        publisher.connect()
+        done: list[bytes] = []
+        sent = threading.Event()
+
+        def publish() -> None:
+            for k in range(300):
+                payload = k.to_bytes(4, "big")
+                publisher.publish(topic, payload, qos=2, timeout=15.0)
+                done.append(payload)
+                if k == 80:
+                    sent.set()
+
+        sender = threading.Thread(target=publish)
+        sender.start()
+        while not sent.is_set():
+            receiver.pump(0.05)
+        receiver.pump(0.05)
+        n1.kill()
+        receiver.drop()
+        assert receiver.connect(n3)
+        while sender.is_alive():
+            receiver.pump(0.1)
+        sender.join()
+        cluster.start(1, join=cluster.seeds(2))
+        wait_for(lambda: serving(n1), 20, "n1 serving", n1)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and set(done) - set(receiver.got):
+            receiver.pump(0.2)
+        receiver.pump(0.5)
+        missing = sorted(int.from_bytes(m, "big") for m in set(done) - set(receiver.got))
+        twice = sorted(
+            int.from_bytes(m, "big") for m in set(receiver.got) if receiver.got.count(m) > 1
+        )
+        assert not missing, f"completed QoS 2 messages lost: {missing}"
+        assert not twice, f"QoS 2 messages delivered twice: {twice}"
+        publisher.disconnect()

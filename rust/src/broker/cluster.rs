@@ -553,6 +553,13 @@ impl Cluster {
         self.peer_ref(id).is_some_and(|p| p.confirmed() >= seq)
     }
 
+    /// Whether something waits for peer `id` to confirm our batch `seq`: it is up and has
+    /// not (a peer that is down is not waited for: the wait is degraded).
+    pub(super) fn awaits(&self, id: PeerId, seq: u64) -> bool {
+        self.peer_ref(id)
+            .is_some_and(|peer| peer.up && peer.confirmed() < seq)
+    }
+
     pub(super) fn peer_protocol(&self, id: PeerId) -> u16 {
         self.peer_ref(id).map_or(0, |p| p.protocol)
     }
@@ -1678,6 +1685,7 @@ impl Engine {
                 self.send(conn, &packet);
             }
         }
+        self.release_gates();
         self.release_held_batches();
     }
 

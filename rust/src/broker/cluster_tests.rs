@@ -1783,6 +1783,60 @@ fn a_claim_answered_from_two_copies_takes_the_more_current_one() {
 }
 
 #[test]
+fn a_qos2_publish_and_its_pubrel_reach_the_client_only_once_an_owner_holds_their_state() {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
+    let dev = connect_on(
+        &mut n,
+        0,
+        super::tests::connect("dev", Protocol::V311, false),
+    );
+    n.h[0].subscribe(dev, "cmd/#", QoS::ExactlyOnce);
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    // Node 1's copy of the flight record is lost on the way: the PUBLISH waits for it.
+    n.cut.push((0, 1));
+    n.h[2].publish(publisher, "cmd/dev", "m1", QoS::ExactlyOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(n.h[0].recv_one(dev).is_empty());
+    n.cut.clear();
+    n.cut_link(0, 1);
+    n.heal_link(0, 1);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv_one(dev);
+    let [Packet::Publish(p)] = got.as_slice() else {
+        panic!("{got:?}")
+    };
+    let pkid = p.pkid;
+    // Its PUBREC: the PUBREL waits for the copy of "awaiting PUBCOMP".
+    n.cut.push((0, 1));
+    n.h[0].send(
+        dev,
+        Packet::PubRec(crate::codec::Ack {
+            pkid,
+            reason_code: 0,
+            properties: Default::default(),
+        }),
+    );
+    settle_and_sync(&mut n, &mut disks);
+    assert!(n.h[0].recv_one(dev).is_empty());
+    n.cut.clear();
+    n.cut_link(0, 1);
+    n.heal_link(0, 1);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(matches!(
+        n.h[0].recv_one(dev).as_slice(),
+        [Packet::PubRel(_)]
+    ));
+    // With the owner down, nothing waits (the copy is kept for it: degraded).
+    n.cut_link(0, 1);
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub2", Protocol::V5, true));
+    n.h[2].publish(publisher, "cmd/dev", "m2", QoS::ExactlyOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv_one(dev);
+    assert!(matches!(got.as_slice(), [Packet::Publish(_)]), "{got:?}");
+}
+
+#[test]
 fn a_dead_homes_session_is_taken_over_once_and_its_will_published_once() {
     let (mut n, mut disks) = copying_nodes(3, &[0, 1], 5_000);
     let mut c = persistent_v5("lamp");

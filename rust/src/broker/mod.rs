@@ -9,6 +9,7 @@
 pub mod acl;
 mod auth;
 mod cluster;
+mod cluster_gates;
 mod cluster_replicas;
 mod cluster_retained;
 mod cluster_sessions;
@@ -134,6 +135,7 @@ pub struct Engine {
     cluster: cluster::Cluster,
     claims: cluster_sessions::Claims,
     replicas: cluster_replicas::Replicas,
+    gates: cluster_gates::Gates,
 }
 
 impl Engine {
@@ -172,6 +174,7 @@ impl Engine {
             cluster: cluster::Cluster::default(),
             claims: cluster_sessions::Claims::default(),
             replicas: cluster_replicas::Replicas::default(),
+            gates: cluster_gates::Gates::default(),
         }
     }
 
@@ -319,12 +322,27 @@ impl Engine {
         for &id in &dirty {
             if let Some(Some(conn)) = self.conns.get_mut(id as usize) {
                 conn.dirty = false;
-                self.stats.bytes_sent += conn.out.len() as u64;
                 let close = match (conn.close_after_write, conn.client_closed) {
                     (false, _) => CLOSE_NO,
                     (true, true) => CLOSE_NOW,
                     (true, false) => CLOSE_LINGER,
                 };
+                if let Some(open) = self.gates.open_len(id, conn.serial) {
+                    if close == CLOSE_NO {
+                        // Held output stays until its copies are acknowledged (cluster_gates).
+                        if open > 0 {
+                            self.stats.bytes_sent += open as u64;
+                            f(id, &conn.out[..open], close);
+                            conn.out.drain(..open);
+                            self.gates.written(id, open);
+                        }
+                        continue;
+                    }
+                    // Closing: what was held is not sent (the session resumes from its state).
+                    conn.out.truncate(open);
+                    self.gates.drop_conn(id);
+                }
+                self.stats.bytes_sent += conn.out.len() as u64;
                 f(id, &conn.out, close);
                 conn.out.clear();
                 // A large burst should not pin its peak buffer for the connection's lifetime.

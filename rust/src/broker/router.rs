@@ -282,8 +282,11 @@ impl Engine {
             Some(i) => {
                 session.inflight[i].state = AwaitingAck::PubComp;
                 let seq = session.inflight[i].delivery.seq;
+                let mark = self.replicas.waits.len();
+                let from = self.conn(id).map_or(0, |c| c.out.len());
                 self.store_flight(sid, seq, ack.pkid, AwaitingAck::PubComp);
                 self.send(id, &Packet::PubRel(Engine::ack(ack.pkid, 0)));
+                self.gate_output(id, from, mark);
             }
             None => {
                 let code = if session
@@ -627,6 +630,8 @@ impl Engine {
             return;
         }
         // Stored (with its packet id, below) before the PUBLISH can reach the network.
+        let mark = self.replicas.waits.len();
+        let from = self.conn(cid).map_or(0, |c| c.out.len());
         self.store_delivery(sid, &mut d, now);
         let pkid = if d.qos == QoS::AtMostOnce {
             0
@@ -646,6 +651,9 @@ impl Engine {
                 AwaitingAck::PubRec
             };
             self.store_flight(sid, d.seq, pkid, state);
+            if d.qos == QoS::ExactlyOnce {
+                self.gate_output(cid, from, mark);
+            }
             self.session_mut(sid)
                 .expect("exists")
                 .push_inflight(Inflight {

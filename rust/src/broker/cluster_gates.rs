@@ -1,0 +1,102 @@
+//! Output to a client held until the session state it makes the client act on is copied
+//! (docs/cluster-sessions.md): a QoS 2 PUBLISH or a PUBREL to a client of a persistent
+//! session leaves only once `ack_replicas - 1` owners that are up hold the flight record
+//! that says it was sent. Otherwise a home SIGKILLed right after could leave copies that say
+//! "queued" for a message the client took (sent again under a new packet id: twice), or
+//! "awaiting PUBREC" for one it completed, and the new home could give another message a
+//! packet id the client still holds as awaiting PUBREL (taken as a repeat: lost).
+//! Everything written to the connection after the held packet waits with it, so order is
+//! kept. QoS 0 and 1 need no wait (a repeated QoS 1 message is allowed).
+
+use std::collections::HashMap;
+
+use super::cluster::PeerId;
+use super::{ConnId, Engine};
+
+/// Output of one connection held from `from` on until its copies are acknowledged.
+struct Gate {
+    /// The connection's serial (ids are reused).
+    serial: u64,
+    from: usize,
+    waits: Vec<(PeerId, u64)>,
+}
+
+#[derive(Default)]
+pub(super) struct Gates {
+    held: HashMap<ConnId, Gate>,
+}
+
+impl Gates {
+    /// The bytes of connection `id` (of `serial`) that may be written now, if it is held.
+    pub(super) fn open_len(&self, id: ConnId, serial: u64) -> Option<usize> {
+        if self.held.is_empty() {
+            return None;
+        }
+        self.held
+            .get(&id)
+            .filter(|g| g.serial == serial)
+            .map(|g| g.from)
+    }
+
+    /// The first `n` bytes of connection `id`'s output were written: the held part moves.
+    pub(super) fn written(&mut self, id: ConnId, n: usize) {
+        if let Some(g) = self.held.get_mut(&id) {
+            g.from -= n.min(g.from);
+        }
+    }
+
+    pub(super) fn drop_conn(&mut self, id: ConnId) {
+        if !self.held.is_empty() {
+            self.held.remove(&id);
+        }
+    }
+}
+
+impl Engine {
+    /// What connection `cid` got from byte `from` of its output on waits for the copies
+    /// queued since `mark` (the length `replicas.waits` had), if any were.
+    pub(super) fn gate_output(&mut self, cid: ConnId, from: usize, mark: usize) {
+        if self.replicas.waits.len() <= mark {
+            return;
+        }
+        let Some(serial) = self.conn(cid).map(|c| c.serial) else {
+            return;
+        };
+        let new = &self.replicas.waits[mark..];
+        let gate = self.gates.held.entry(cid).or_insert_with(|| Gate {
+            serial,
+            from,
+            waits: Vec::new(),
+        });
+        if gate.serial != serial {
+            *gate = Gate {
+                serial,
+                from,
+                waits: Vec::new(),
+            };
+        }
+        gate.from = gate.from.min(from);
+        gate.waits.extend_from_slice(new);
+    }
+
+    /// Connections whose copies are acknowledged (or whose owners went down) write again.
+    pub(super) fn release_gates(&mut self) {
+        if self.gates.held.is_empty() {
+            return;
+        }
+        let mut open = Vec::new();
+        let cluster = &self.cluster;
+        self.gates.held.retain(|&id, g| {
+            g.waits.retain(|&(p, seq)| cluster.awaits(p, seq));
+            if g.waits.is_empty() {
+                open.push(id);
+                false
+            } else {
+                true
+            }
+        });
+        for id in open {
+            self.mark_dirty(id);
+        }
+    }
+}
