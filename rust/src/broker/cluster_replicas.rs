@@ -687,9 +687,10 @@ impl Engine {
         }
     }
 
-    /// Hands session `sid` to `to`, where a newer version of it lives: what reached it since
-    /// this node started (and `to` did not get itself) goes there, then its subscriptions
-    /// relay there for a while. No will: the session lives on there.
+    /// Hands session `sid` to `to`, where a newer version of it lives: its own messages (with
+    /// ids, to a node of protocol 5: `to` takes each id once) and what reached it since this
+    /// node started (and `to` did not get itself) go there, then its subscriptions relay
+    /// there for a while. No will: the session lives on there.
     fn give_up(&mut self, sid: SessionId, to: PeerId, now: u64) {
         let held = self
             .replicas
@@ -697,11 +698,32 @@ impl Engine {
             .remove(&sid)
             .map(|u| u.held)
             .unwrap_or_default();
+        // Its own messages, in flight then queued: one applied here just before this node
+        // died may be missing from the copy the newer version was made from (its copy
+        // operation was lost with the node, and the publisher's acknowledgement counted the
+        // batch kept for this node). Those with an id only: the newer home takes each id once.
+        let own: Vec<(Arc<Message>, QoS, bool, Vec<u32>)> = self
+            .session(sid)
+            .map(|s| {
+                let flying = s.inflight.iter().map(|f| &f.delivery);
+                flying
+                    .chain(s.queue.iter())
+                    .filter(|d| d.msg.id != 0)
+                    .map(|d| (d.msg.clone(), d.qos, d.retain, d.sub_ids.clone()))
+                    .collect()
+            })
+            .unwrap_or_default();
         let Some(client) = self.retire(sid, now) else {
             return;
         };
         let key = self.cluster.peer_key(to);
         self.replicas.installed.remove(&client);
+        if self.cluster.peer_protocol(to) >= 5 {
+            for (msg, qos, retain, sub_ids) in own {
+                self.cluster
+                    .queue_session_message(to, &client, &msg, qos, retain, &sub_ids, now);
+            }
+        }
         for h in held {
             if (h.from == Some(to) && h.from_home) || (h.plain && h.also.contains(&key)) {
                 continue;

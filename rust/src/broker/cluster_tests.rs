@@ -934,9 +934,7 @@ fn a_persistent_session_follows_its_client_to_another_node() {
     let back = n.h[1].open_connect(super::tests::connect("dev", Protocol::V311, false));
     assert!(n.h[1].recv_one(back).is_empty());
     n.settle();
-    let got = n.h[1].recv_one(back);
-    assert!(connack(&got).session_present, "{got:?}");
-    assert_eq!(payloads(&got[1..]), ["m1", "m2", "m3"]);
+    assert_resumed(&mut n, 1, back, &["m1", "m2", "m3"]);
     // The session left node 0; its row stays there while node 0 relays (node 2 sends to both
     // nodes, each knowing of the other: no second copy).
     assert_eq!(n.h[0].e.session_count(), 0);
@@ -1049,9 +1047,7 @@ fn a_message_that_reaches_a_moved_session_along_two_paths_is_delivered_once() {
     n.settle();
     let again = n.h[0].open_connect(super::tests::connect("dev", Protocol::V311, false));
     n.settle();
-    let got = n.h[0].recv_one(again);
-    assert!(connack(&got).session_present, "{got:?}");
-    assert_eq!(payloads(&got[1..]), ["m1"]);
+    assert_resumed(&mut n, 0, again, &["m1"]);
 }
 
 #[test]
@@ -1201,9 +1197,7 @@ fn a_session_that_comes_straight_back_gets_what_its_old_relay_caught_meanwhile()
     let back = n.h[0].open_connect(super::tests::connect("yoyo", Protocol::V311, false));
     n.h[1].publish(publisher, "cmd/yoyo", "x", QoS::AtLeastOnce, false);
     n.settle();
-    let got = n.h[0].recv_one(back);
-    assert!(connack(&got).session_present, "{got:?}");
-    assert_eq!(payloads(&got[1..]), ["x"]);
+    assert_resumed(&mut n, 0, back, &["x"]);
     assert!(n.h[2].recv().is_empty());
 }
 
@@ -1284,6 +1278,7 @@ fn node0_comes_back(
     later: u64,
     takeover_ms: u64,
     epoch: u64,
+    version: u16,
 ) -> super::RestoreSummary {
     let now = n.h[0].now + later;
     let cfg = Config {
@@ -1296,7 +1291,7 @@ fn node0_comes_back(
         n.peer[0][j] = h0.e.cluster_add_peer(&format!("node{j}"));
     }
     n.h[0] = h0;
-    protocol(n, 4);
+    protocol(n, version);
     set_map(n, 0, &[0, 1], 1);
     for j in 1..n.h.len() {
         n.heal_link(0, j);
@@ -1324,6 +1319,13 @@ fn serve_copy_loads(h: &mut Harness, disk: &Disk) -> usize {
         assert_eq!(h.e.copy_loaded(client, &recs, now), Vec::<String>::new());
     }
     loads.len()
+}
+
+/// The CONNECT `back` on node `i` resumed its session (session present) and got `want`.
+fn assert_resumed(n: &mut Nodes, i: usize, back: crate::broker::ConnId, want: &[&str]) {
+    let got = n.h[i].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), want);
 }
 
 fn copy_count(disk: &Disk) -> usize {
@@ -1437,15 +1439,13 @@ fn a_client_whose_home_died_resumes_on_another_node_from_the_copy() {
     assert!(n.h[2].recv_one(back).is_empty());
     assert_eq!(serve_copy_loads(&mut n.h[1], &disks[1]), 1);
     settle_and_sync(&mut n, &mut disks);
-    let got = n.h[2].recv_one(back);
-    assert!(connack(&got).session_present, "{got:?}");
-    assert_eq!(payloads(&got[1..]), ["m1", "m2"]);
+    assert_resumed(&mut n, 2, back, &["m1", "m2"]);
     assert_eq!(n.h[1].e.replica_stats().claims_served, 1);
     // Node 2 is the home now: node 1 holds a copy of its version (node 0's is gone).
     assert_eq!(n.h[1].e.replica_stats().copies, 1);
     // Node 0 comes back from its disk: node 1 tells it that a newer version lives
     // elsewhere, and node 0 drops its own (no second session, no second delivery).
-    let summary = node0_comes_back(&mut n, &disks[0], 1_000, 0, 555);
+    let summary = node0_comes_back(&mut n, &disks[0], 1_000, 0, 555, 4);
     assert_eq!(summary.sessions, 1);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(n.h[0].e.session_count(), 0);
@@ -1472,9 +1472,7 @@ fn a_claim_that_reaches_an_owner_before_it_sees_the_home_die_is_answered_from_th
     n.h[1].e.tick(now);
     assert_eq!(serve_copy_loads(&mut n.h[1], &disks[1]), 1);
     settle_and_sync(&mut n, &mut disks);
-    let got = n.h[2].recv_one(back);
-    assert!(connack(&got).session_present, "{got:?}");
-    assert_eq!(payloads(&got[1..]), ["m1"]);
+    assert_resumed(&mut n, 2, back, &["m1"]);
 }
 
 #[test]
@@ -1498,16 +1496,12 @@ fn a_client_whose_home_died_resumes_on_the_owner_holding_its_copy() {
     n.cut_link(0, 2);
     assert_eq!(serve_copy_loads(&mut n.h[2], &disks[2]), 1);
     settle_and_sync(&mut n, &mut disks);
-    let got = n.h[2].recv_one(back);
-    assert!(connack(&got).session_present, "{got:?}");
-    assert_eq!(payloads(&got[1..]), ["m1"]);
+    assert_resumed(&mut n, 2, back, &["m1"]);
     // dev2 claims on node 2 after node 0 died.
     let back2 = n.h[2].open_connect(super::tests::connect("dev2", Protocol::V311, false));
     assert_eq!(serve_copy_loads(&mut n.h[2], &disks[2]), 1);
     settle_and_sync(&mut n, &mut disks);
-    let got = n.h[2].recv_one(back2);
-    assert!(connack(&got).session_present, "{got:?}");
-    assert_eq!(payloads(&got[1..]), ["m1"]);
+    assert_resumed(&mut n, 2, back2, &["m1"]);
     assert_eq!(n.h[2].e.replica_stats().claims_served, 2);
     assert_eq!(n.h[2].e.replica_stats().copies, 0);
 }
@@ -1519,9 +1513,7 @@ fn an_owner_holding_a_copy_answers_a_claim_once_the_live_home_handed_the_session
     // with the session from node 0 and nothing read from the copy.
     let back = n.h[2].open_connect(super::tests::connect("dev", Protocol::V311, false));
     settle_and_sync(&mut n, &mut disks);
-    let got = n.h[2].recv_one(back);
-    assert!(connack(&got).session_present, "{got:?}");
-    assert_eq!(payloads(&got[1..]), ["m1"]);
+    assert_resumed(&mut n, 2, back, &["m1"]);
     assert!(!n.h[1].e.has_copy_loads());
     assert_eq!(n.h[1].e.replica_stats().claims_served, 0);
     // A home that stays silent (node 2 now: its frames are lost): node 1 answers none after
@@ -1643,9 +1635,7 @@ fn a_home_that_dies_before_the_new_owner_has_its_copy_leaves_it_on_the_former_ow
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(serve_copy_loads(&mut n.h[1], &disks[1]), 1);
     settle_and_sync(&mut n, &mut disks);
-    let got = n.h[2].recv_one(back);
-    assert!(connack(&got).session_present, "{got:?}");
-    assert_eq!(payloads(&got[1..]), ["m1", "m2"]);
+    assert_resumed(&mut n, 2, back, &["m1", "m2"]);
 }
 
 #[test]
@@ -1777,9 +1767,7 @@ fn a_claim_answered_from_two_copies_takes_the_more_current_one() {
     );
     assert_eq!(serve_copy_loads(&mut n.h[2], &disks[2]), 1);
     settle_and_sync(&mut n, &mut disks);
-    let got = n.h[3].recv_one(back);
-    assert!(connack(&got).session_present, "{got:?}");
-    assert_eq!(payloads(&got[1..]), ["m1", "m2"]);
+    assert_resumed(&mut n, 3, back, &["m1", "m2"]);
 }
 
 #[test]
@@ -1879,7 +1867,7 @@ fn a_dead_homes_session_is_taken_over_once_and_its_will_published_once() {
     assert!(!n.h[1].e.has_copy_loads());
     // Node 0 comes back: its own will for the lamp waits for the takeover time, and the
     // fence from node 1 drops the session before it fires.
-    let summary = node0_comes_back(&mut n, &disks[0], 20_000, 5_000, 556);
+    let summary = node0_comes_back(&mut n, &disks[0], 20_000, 5_000, 556, 4);
     assert_eq!(summary.sessions, 1);
     settle_and_sync(&mut n, &mut disks);
     n.h[0].now += 6_000;
@@ -1929,9 +1917,7 @@ fn a_message_published_on_the_new_home_during_its_claim_reaches_the_moved_sessio
     let back = n.h[1].open_connect(persistent_v5("dev"));
     n.h[1].publish(publisher, "cmd/dev", "early", QoS::AtLeastOnce, false);
     settle_and_sync(&mut n, &mut disks);
-    let got = n.h[1].recv_one(back);
-    assert!(connack(&got).session_present, "{got:?}");
-    assert_eq!(payloads(&got[1..]), ["early"]);
+    assert_resumed(&mut n, 1, back, &["early"]);
     // Once node 1 has the session, node 0 relays nothing node 1 routed itself.
     n.h[1].publish(publisher, "cmd/dev", "late", QoS::AtLeastOnce, false);
     settle_and_sync(&mut n, &mut disks);
@@ -1966,7 +1952,7 @@ fn messages_kept_for_a_dead_home_reach_the_session_where_it_lives_now_when_that_
     // Node 0 comes back and gets both from node 2's store: its restored session holds them
     // until the owners answer, then gives way to node 2's, sending on only "w1" (node 2 had
     // routed "w2" to the session itself).
-    node0_comes_back(&mut n, &disks[0], 1_000, 5_000, 557);
+    node0_comes_back(&mut n, &disks[0], 1_000, 5_000, 557, 4);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(payloads(&n.h[2].recv_one(back)), ["w1"]);
     assert_eq!(n.h[0].e.replica_stats().fenced, 1);
@@ -1975,6 +1961,39 @@ fn messages_kept_for_a_dead_home_reach_the_session_where_it_lives_now_when_that_
     n.h[2].publish(publisher, "cmd/dev", "w3", QoS::AtLeastOnce, false);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(payloads(&n.h[2].recv_one(back)), ["w3"]);
+}
+
+#[test]
+fn a_message_a_dead_home_stored_but_did_not_copy_reaches_the_session_where_it_lives_now() {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 5_000);
+    protocol(&mut n, 6);
+    offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    // Node 0 applies and stores "w1", but its copy to node 1 is lost as node 0 dies; node 2
+    // acknowledges it (degraded) once node 0 is down.
+    n.cut.push((0, 1));
+    n.h[2].publish(publisher, "cmd/dev", "w1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    n.cut.clear();
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(matches!(
+        n.h[2].recv_one(publisher)[..],
+        [Packet::PubAck(_)]
+    ));
+    // The client resumes on node 2 from node 1's copy, which lacks "w1".
+    let back = n.h[2].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    serve_copy_loads(&mut n.h[1], &disks[1]);
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 2, back, &[]);
+    // Node 0 comes back: its restored session gives way to node 2's and sends on what it
+    // holds; node 2 takes the ids it has not seen ("w1").
+    node0_comes_back(&mut n, &disks[0], 1_000, 5_000, 559, 6);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[2].recv_one(back)), ["w1"]);
 }
 
 #[test]
@@ -1987,7 +2006,7 @@ fn a_restored_session_nobody_took_over_is_confirmed_and_gets_what_waited() {
     n.h[1].publish(publisher, "cmd/dev", "kept", QoS::AtLeastOnce, false);
     settle_and_sync(&mut n, &mut disks);
     // Node 0 returns before anyone took the session over: node 1 confirms its version.
-    node0_comes_back(&mut n, &disks[0], 1_000, 5_000, 558);
+    node0_comes_back(&mut n, &disks[0], 1_000, 5_000, 558, 4);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(n.h[0].e.replica_stats().fenced, 0);
     let back = n.h[0].open_connect(persistent_v5("dev"));
