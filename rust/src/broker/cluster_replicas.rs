@@ -126,6 +126,11 @@ struct Watch {
 /// Shorter than the claimant's own wait for a silent peer (`CLAIM_TIMEOUT_MS`, 3 s).
 const WATCH_MS: u64 = 2_000;
 
+/// How recent (wall-clock ms) a session's newer version must be for a node that gives its
+/// older one up to send on its own messages: well within the 30 s the newer home remembers
+/// the ids it took (`cluster_sessions::RECENT_MS`), for clocks a little apart.
+const OWN_RELAY_MS: u64 = 20_000;
+
 /// What a copy is being read back from the store for.
 enum Use {
     /// Answer the claim of `peer` with `stamp`.
@@ -473,7 +478,7 @@ impl Engine {
                     self.replicas.stats.stale_refused += 1;
                     return;
                 }
-                _ => self.give_up(sid, peer, now),
+                _ => self.give_up(sid, peer, stamp, now),
             }
         }
         let home = self.cluster.peer_name(peer);
@@ -669,7 +674,7 @@ impl Engine {
             if self.version_of(sid).is_some_and(|ours| ours < stamp) {
                 let to = self.cluster.peer_id_of(home);
                 match to {
-                    Some(to) => self.give_up(sid, to, now),
+                    Some(to) => self.give_up(sid, to, stamp, now),
                     None => self.fence_session(sid, now),
                 }
             } else if let Some(u) = self.replicas.unconfirmed.get_mut(&sid) {
@@ -687,11 +692,12 @@ impl Engine {
         }
     }
 
-    /// Hands session `sid` to `to`, where a newer version of it lives: its own messages (with
-    /// ids, to a node of protocol 5: `to` takes each id once) and what reached it since this
-    /// node started (and `to` did not get itself) go there, then its subscriptions relay
-    /// there for a while. No will: the session lives on there.
-    fn give_up(&mut self, sid: SessionId, to: PeerId, now: u64) {
+    /// Hands session `sid` to `to`, where version `newer` of it lives: its own messages (with
+    /// ids, to a node of protocol 5, while `newer` is recent enough for `to` to remember
+    /// the ids it took) and what reached it since this node started (and `to` did not get
+    /// itself) go there, then its subscriptions relay there for a while. No will: the
+    /// session lives on there.
+    fn give_up(&mut self, sid: SessionId, to: PeerId, newer: Stamp, now: u64) {
         let held = self
             .replicas
             .unconfirmed
@@ -718,7 +724,10 @@ impl Engine {
         };
         let key = self.cluster.peer_key(to);
         self.replicas.installed.remove(&client);
-        if self.cluster.peer_protocol(to) >= 5 {
+        // Past that, `to` no longer tells them from what it delivered already (twice is
+        // worse than the rare message only this node held).
+        let age = self.wall(now).saturating_sub(newer.clock >> 16);
+        if self.cluster.peer_protocol(to) >= 5 && age < OWN_RELAY_MS {
             for (msg, qos, retain, sub_ids) in own {
                 self.cluster
                     .queue_session_message(to, &client, &msg, qos, retain, &sub_ids, now);

@@ -1997,6 +1997,35 @@ fn a_message_a_dead_home_stored_but_did_not_copy_reaches_the_session_where_it_li
 }
 
 #[test]
+fn a_home_back_long_after_its_session_moved_sends_on_nothing_it_held() {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
+    protocol(&mut n, 6);
+    offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    let back = n.h[2].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    serve_copy_loads(&mut n.h[1], &disks[1]);
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 2, back, &["m1"]);
+    // A minute later node 2 no longer remembers m1's id: node 0, back with m1 still queued
+    // in its restored session, must not send it on (it would arrive twice).
+    for i in 1..3 {
+        n.h[i].now += 60_000;
+        let now = n.h[i].now;
+        n.h[i].e.set_wall_clock(now, now);
+        n.h[i].e.tick(now);
+    }
+    node0_comes_back(&mut n, &disks[0], 60_000, 0, 560, 6);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[0].e.replica_stats().fenced, 1);
+    assert_eq!(payloads(&n.h[2].recv_one(back)), Vec::<String>::new());
+}
+
+#[test]
 fn a_restored_session_nobody_took_over_is_confirmed_and_gets_what_waited() {
     let (mut n, mut disks) = copying_nodes(2, &[0, 1], 5_000);
     offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
