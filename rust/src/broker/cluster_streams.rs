@@ -149,6 +149,15 @@ impl Engine {
             let Some(client) = self.replicas.streams.order.pop_front() else {
                 break;
             };
+            let Some(stream) = self.replicas.streams.pending.get_mut(&client) else {
+                continue;
+            };
+            if stream.to.is_empty() {
+                // A later map took its new owners away again: only releases are left.
+                stream.queued = false;
+                self.replicas.streams.awaiting.push(client);
+                continue;
+            }
             let Some(stream) = self.replicas.streams.pending.get(&client) else {
                 continue;
             };

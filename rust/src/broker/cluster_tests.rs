@@ -1617,6 +1617,22 @@ fn a_map_change_streams_the_session_to_the_new_owner_and_the_former_one_keeps_it
 }
 
 #[test]
+fn a_stream_whose_new_owner_a_later_map_took_away_still_releases_the_former_owner() {
+    let (mut n, mut disks, _) = dev_moving_from_node1_to_node2();
+    // Before anything was streamed, the partition loses node 2 again (node 0 alone).
+    for i in 0..3 {
+        set_map(&mut n, i, &[0], 3);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(copy_count(&disks[1]), 3);
+    tick_after(&mut n, 0, 100);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(copy_count(&disks[1]), 0, "{:?}", disks[1].keys());
+    assert_eq!(copy_count(&disks[2]), 0);
+    assert_eq!(n.h[0].e.replica_stats().stream_backlog, 0);
+}
+
+#[test]
 fn a_home_that_dies_before_the_new_owner_has_its_copy_leaves_it_on_the_former_owner() {
     let (mut n, mut disks, publisher) = dev_moving_from_node1_to_node2();
     n.h[2].publish(publisher, "cmd/dev", "m2", QoS::AtLeastOnce, false);
