@@ -1659,16 +1659,11 @@ impl Engine {
 
     /// Sends the held acknowledgements whose peers all have their messages (or are down).
     fn release_acks(&mut self) {
-        let c = &mut self.cluster;
-        let peers = &c.peers;
+        let mut held_acks = std::mem::take(&mut self.cluster.held_acks);
+        let c = &self.cluster;
         let mut ready = Vec::new();
-        c.held_acks.retain_mut(|held| {
-            held.waits.retain(|&(p, seq)| {
-                peers
-                    .get(usize::from(p))
-                    .and_then(Option::as_ref)
-                    .is_some_and(|peer| peer.up && peer.confirmed() < seq)
-            });
+        held_acks.retain_mut(|held| {
+            held.waits.retain(|&(p, seq)| c.awaits(p, seq));
             if held.waits.is_empty() {
                 ready.push((
                     held.conn,
@@ -1680,6 +1675,7 @@ impl Engine {
                 true
             }
         });
+        self.cluster.held_acks = held_acks;
         for (conn, serial, packet) in ready {
             if self.conn(conn).is_some_and(|c| c.serial == serial) {
                 self.send(conn, &packet);
