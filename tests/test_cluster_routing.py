@@ -1048,6 +1048,72 @@ def test_sessions_of_a_killed_node_live_on_with_every_acknowledged_message_and_o
             c.disconnect()
 
 
+def test_what_nodes_kept_for_a_dead_home_reaches_its_sessions_without_it_coming_back(
+    tmp_path,
+):
+    """n1 homes six offline persistent QoS 1 sessions (each on its own topic); n2 publishes
+    20 messages to each, then n1 is SIGKILLed and n2 publishes 30 more to each, which it can
+    only keep for n1 (and acknowledges once kept). Three clients resume on n3 at once (claims
+    answered from the copies); the other three on n2 once n1 was removed from the cluster
+    and the owners took its sessions over. n1 never comes back: every acknowledged message
+    arrives, once and in order (n2 sent what it kept for n1 to where the sessions live)."""
+    with Cluster(tmp_path) as cluster:
+        n1, n2, n3 = start_cluster(cluster, 3)
+        root = unique("keptfor")
+        expiry = {"SessionExpiryInterval": 300}
+        ids = [unique(f"kf{i}") for i in range(6)]
+        for i, cid in enumerate(ids):
+            c = Client(endpoint(n1), client_id=cid, version=5, clean=False, props=expiry)
+            c.connect()
+            c.subscribe(f"{root}/{i}", qos=1)
+            c.disconnect()
+        wait_rows(n2, "n1", 6)
+        publisher = Client(endpoint(n2), client_id=unique("kfpub"), version=5)
+        publisher.connect()
+
+        def publish(first: int, count: int) -> None:
+            infos = [
+                publisher.publish(f"{root}/{i}", f"{k}".encode(), qos=1, wait=False)
+                for k in range(first, first + count)
+                for i in range(len(ids))
+            ]
+            for info in infos:
+                info.wait_for_publish(20)
+                assert info.is_published()
+
+        publish(0, 20)
+        n1.kill()
+        wait_for(lambda: not plane(n2, "n1")["up"], 10, "n2 sees n1 down", n2)
+        publish(20, 30)
+        assert plane(n2, "n1")["unacked_bytes"] > 0
+        want = [f"{k}".encode() for k in range(50)]
+
+        def resume(node: Node, i: int) -> None:
+            sub = Client(endpoint(node), client_id=ids[i], version=5, clean=False, props=expiry)
+            assert sub.connect().session_present, ids[i]
+            got = [m.payload for m in sub.expect(50, 15.0)]
+            got += [m.payload for m in sub.drain(0.3)]
+            assert got == want, (ids[i], node.node_id, got)
+            sub.disconnect()
+
+        for i in range(3):
+            resume(n3, i)
+
+        def members() -> list[str]:
+            return [m["node_id"] for m in n2.request("GET", "/cluster/status")["members"]]
+
+        wait_for(lambda: "n1" not in members(), 15, "n1 removed", n2)
+
+        def takeovers() -> float:
+            return sum(metric(n, "cluster_session_takeovers_total") for n in (n2, n3))
+
+        wait_for(lambda: takeovers() >= 3, 10, "the other sessions taken over", n2, n3)
+        for i in range(3, 6):
+            resume(n2, i)
+        assert metric(n2, "cluster_kept_messages_handed_total") >= 1
+        publisher.disconnect()
+
+
 def test_a_joining_node_is_streamed_the_copies_it_owns_and_the_home_can_then_die(tmp_path):
     """n1 homes 12 offline persistent sessions with 40 QoS 1 messages queued for each
     (published and acknowledged on n2), copied to n2 (2 nodes, replication factor 2). n3

@@ -488,6 +488,7 @@ impl PyEngine {
         d.set_item("timed_out", s.timed_out)?;
         d.set_item("sessions_in", s.sessions_in)?;
         d.set_item("sessions_out", s.sessions_out)?;
+        d.set_item("kept_handed", s.kept_handed)?;
         Ok(d)
     }
 

@@ -406,6 +406,11 @@ class BrokerCollector:
             "Sessions this node handed over to another node",
             claims["sessions_out"],
         )
+        yield counter(
+            "cluster_kept_messages_handed",
+            "Messages kept here for a dead node sent to where its sessions live now",
+            claims["kept_handed"],
+        )
         copies = dataplane.engine.replica_stats()
         yield gauge(
             "cluster_session_copies",

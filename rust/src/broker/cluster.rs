@@ -476,6 +476,72 @@ impl Cluster {
             .map(|i| i as PeerId)
     }
 
+    /// The peer whose key (the hash of its name) is `key`.
+    pub(super) fn peer_by_key(&self, key: u64) -> Option<PeerId> {
+        self.peers
+            .iter()
+            .position(|p| p.as_ref().is_some_and(|p| p.key == key))
+            .map(|i| i as PeerId)
+    }
+
+    /// Calls `f` with each batch frame kept for peer `id` (down) that it cannot have seen:
+    /// never written to its link in this run, in memory; oldest first (what was queued for
+    /// it is closed first). Returns how many were left out: written to its link before it
+    /// went down (it may have applied them: handing them on could deliver a message twice)
+    /// and only in the store.
+    pub(super) fn each_kept_frame(
+        &mut self,
+        id: PeerId,
+        mut f: impl FnMut(&[u8]),
+    ) -> (usize, usize) {
+        let epoch = self.epoch;
+        let Some(peer) = self.peer_mut(id) else {
+            return (0, 0);
+        };
+        peer.seal(epoch);
+        let (mut sent, mut spilled) = (0, 0);
+        for o in &peer.out {
+            if o.sent {
+                sent += 1;
+            } else if o.spilled {
+                spilled += 1;
+            } else {
+                f(&o.frame);
+            }
+        }
+        (sent, spilled)
+    }
+
+    /// Peers up that speak protocol `min` or later.
+    pub(super) fn up_peers_from(&self, min: u16) -> Vec<PeerId> {
+        self.peers
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.as_ref().is_some_and(|p| p.up && p.protocol >= min))
+            .map(|(i, _)| i as PeerId)
+            .collect()
+    }
+
+    pub(super) fn queue_kept_ask(
+        &mut self,
+        id: PeerId,
+        client_id: &str,
+        home: u64,
+        again: bool,
+        subs: &[batch::KeptSub<'_>],
+    ) {
+        if let Some(peer) = self.peer_mut(id) {
+            peer.items.kept_ask(client_id, home, again, subs);
+            peer.reliable = true;
+            self.has_output = true;
+        }
+    }
+
+    /// Whether peer `id`'s link has been up in this run (its protocol is known).
+    pub(super) fn peer_seen_up(&self, id: PeerId) -> bool {
+        self.peer_ref(id).is_some_and(|p| p.seen_up)
+    }
+
     pub(super) fn peer_up(&self, id: PeerId) -> bool {
         self.peer_ref(id).is_some_and(|p| p.up)
     }
@@ -641,6 +707,7 @@ impl Cluster {
         qos: QoS,
         retain: bool,
         sub_ids: &[u32],
+        kept: bool,
         now: u64,
     ) {
         let mut props = Vec::new();
@@ -648,6 +715,7 @@ impl Cluster {
             codec::encode_properties(p, &mut props).expect("routed properties encode");
         }
         let with_id = self.peer_ref(id).is_some_and(|p| p.protocol >= 5);
+        let kept = kept && self.peer_ref(id).is_some_and(|p| p.protocol >= 7);
         let mut message = Vec::new();
         // Not a retained write (that went to every node already): the delivery's retain
         // flag travels beside it.
@@ -668,7 +736,9 @@ impl Cluster {
             &mut message,
         );
         let mut item = Vec::new();
-        batch::encode_session_message(client_id, qos as u8, retain, sub_ids, &message, &mut item);
+        batch::encode_session_message(
+            client_id, qos as u8, retain, sub_ids, &message, kept, &mut item,
+        );
         if let Some(peer) = self.peer_mut(id) {
             peer.items.raw_item(&item);
             peer.item_messages += 1;
@@ -973,6 +1043,8 @@ impl Engine {
             c.queue_snapshot(id);
             self.queue_retained_set(id, now);
             self.queue_copy_checks(id);
+            self.ask_kept_on_link_up(id);
+            self.give_up_deferred(id, now);
         } else {
             let c = &mut self.cluster;
             let peer = c.peer_mut(id).expect("checked");
@@ -1315,6 +1387,13 @@ impl Engine {
                         }
                     }
                 }
+                Item::KeptAsk { subs, .. } => {
+                    if let Some(s) = subs.iter().find(|s| {
+                        !topics::valid_filter(s.filter) || topics::split_shared(s.filter).is_some()
+                    }) {
+                        return Err(format!("invalid filter in a kept ask {:?}", s.filter));
+                    }
+                }
                 Item::Copy { key, .. } => {
                     if records::session_client(key).is_none() {
                         return Err("copy of a record that is not a session's".into());
@@ -1432,11 +1511,18 @@ impl Engine {
                     qos,
                     retain,
                     sub_ids,
+                    kept,
                     ..
                 } => {
                     let msg = messages.next().expect("one per message item");
-                    self.relayed(client_id, Arc::new(msg), qos, retain, sub_ids, now);
+                    self.relayed(client_id, Arc::new(msg), qos, retain, sub_ids, kept, now);
                 }
+                Item::KeptAsk {
+                    client_id,
+                    home,
+                    again,
+                    subs,
+                } => self.kept_asked(id, client_id, home, again, &subs, now),
                 Item::ClaimAnswer {
                     client_id,
                     stamp,
@@ -1815,7 +1901,7 @@ pub(super) fn encode_routed(
 
 /// A forwarded message as this node routes it. Checked like a client's publish would be:
 /// a peer cannot make us hold an invalid topic or properties.
-fn message_from_wire(m: &WireMessage<'_>, now: u64) -> Result<Message, String> {
+pub(super) fn message_from_wire(m: &WireMessage<'_>, now: u64) -> Result<Message, String> {
     if !topics::valid_topic_name(m.topic) {
         return Err("forwarded message with an invalid topic".into());
     }

@@ -108,6 +108,10 @@ struct Unconfirmed {
     held: Vec<HeldMessage>,
     /// Confirmed anyway then (owners that stay down cannot answer).
     until: u64,
+    /// A newer version lives on this peer, at this stamp, whose link has not been up in
+    /// this run: the session goes to it once the link is up (its protocol is known then,
+    /// so what is sent on carries the message ids it needs to take each once).
+    give_up_to: Option<(PeerId, Stamp)>,
 }
 
 /// A claim for a client whose copy this node holds while its home is still up here: its
@@ -674,6 +678,10 @@ impl Engine {
             if self.version_of(sid).is_some_and(|ours| ours < stamp) {
                 let to = self.cluster.peer_id_of(home);
                 match to {
+                    Some(to) if !self.cluster.peer_seen_up(to) && self.unconfirmed(sid) => {
+                        let u = self.replicas.unconfirmed.get_mut(&sid).expect("checked");
+                        u.give_up_to = Some((to, stamp));
+                    }
                     Some(to) => self.give_up(sid, to, stamp, now),
                     None => self.fence_session(sid, now),
                 }
@@ -692,12 +700,23 @@ impl Engine {
         }
     }
 
-    /// Hands session `sid` to `to`, where version `newer` of it lives: its own messages (with
-    /// ids, to a node of protocol 5, while `newer` is recent enough for `to` to remember
-    /// the ids it took) and what reached it since this node started (and `to` did not get
-    /// itself) go there, then its subscriptions relay there for a while. No will: the
-    /// session lives on there.
+    /// Hands session `sid` to `to`, where version `newer` of it lives, if that version is
+    /// recent enough for `to` to remember the ids it took: its own messages (with ids, to a
+    /// node of protocol 5) and what reached it since this node started (and `to` did not
+    /// get itself) go there, then its subscriptions relay there for a while. Else the
+    /// session is only dropped. No will either way: the session lives on there.
     fn give_up(&mut self, sid: SessionId, to: PeerId, newer: Stamp, now: u64) {
+        // Past that, `to` no longer tells them from what it delivered already (twice is
+        // worse than the rare message only this node held, and what other nodes kept for
+        // this one while it was away went to `to` when it asked them: `cluster_kept`).
+        let age = self.wall(now).saturating_sub(newer.clock >> 16);
+        if age >= OWN_RELAY_MS {
+            if let Some(client) = self.session(sid).map(|s| s.client_id.clone()) {
+                self.replicas.installed.remove(&client);
+            }
+            self.fence_session(sid, now);
+            return;
+        }
         let held = self
             .replicas
             .unconfirmed
@@ -724,21 +743,19 @@ impl Engine {
         };
         let key = self.cluster.peer_key(to);
         self.replicas.installed.remove(&client);
-        // Past that, `to` no longer tells them from what it delivered already (twice is
-        // worse than the rare message only this node held).
-        let age = self.wall(now).saturating_sub(newer.clock >> 16);
-        if self.cluster.peer_protocol(to) >= 5 && age < OWN_RELAY_MS {
+        if self.cluster.peer_protocol(to) >= 5 {
             for (msg, qos, retain, sub_ids) in own {
                 self.cluster
-                    .queue_session_message(to, &client, &msg, qos, retain, &sub_ids, now);
+                    .queue_session_message(to, &client, &msg, qos, retain, &sub_ids, false, now);
             }
         }
         for h in held {
             if (h.from == Some(to) && h.from_home) || (h.plain && h.also.contains(&key)) {
                 continue;
             }
-            self.cluster
-                .queue_session_message(to, &client, &h.msg, h.qos, h.retain, &h.sub_ids, now);
+            self.cluster.queue_session_message(
+                to, &client, &h.msg, h.qos, h.retain, &h.sub_ids, false, now,
+            );
         }
         self.cluster.seal_for(to);
         self.store_outgoing(to);
@@ -748,6 +765,23 @@ impl Engine {
             client,
             "a newer version of the session lives on another node: handed to it".into(),
         );
+    }
+
+    /// Peer `peer`'s link is up (its protocol known): the sessions restored here that wait
+    /// to go to it go.
+    pub(super) fn give_up_deferred(&mut self, peer: PeerId, now: u64) {
+        let due: Vec<(SessionId, Stamp)> = self
+            .replicas
+            .unconfirmed
+            .iter()
+            .filter_map(|(&sid, u)| match u.give_up_to {
+                Some((to, stamp)) if to == peer => Some((sid, stamp)),
+                _ => None,
+            })
+            .collect();
+        for (sid, stamp) in due {
+            self.give_up(sid, peer, stamp, now);
+        }
     }
 
     /// Drops session `sid` here, without a will: a newer version of it lives elsewhere.
@@ -800,6 +834,7 @@ impl Engine {
                 answered: Vec::new(),
                 held: Vec::new(),
                 until,
+                give_up_to: None,
             },
         );
     }
@@ -853,6 +888,9 @@ impl Engine {
         let (Some(u), Some(s)) = (self.replicas.unconfirmed.get(&sid), self.session(sid)) else {
             return;
         };
+        if u.give_up_to.is_some() {
+            return;
+        }
         let all = map
             .owners(&s.client_id)
             .iter()
@@ -986,9 +1024,9 @@ impl Engine {
         true
     }
 
-    /// This node claims `client_id` and holds its copy: if the copy's home is down (or is
-    /// `gone`), the copy is read back to answer the claim as a peer would. True: it will.
-    pub(super) fn claim_own_copy(&mut self, client_id: &str, gone: Option<PeerId>) -> bool {
+    /// Whether this node holds a copy of `client_id` whose home is down (or is `gone`), and
+    /// no session of it: a CONNECT resumes from that copy.
+    pub(super) fn own_copy_usable(&self, client_id: &str, gone: Option<PeerId>) -> bool {
         let Some(copy) = self.replicas.copies.get(client_id) else {
             return false;
         };
@@ -997,7 +1035,13 @@ impl Engine {
             Some(g) => home == Some(g),
             None => home.is_none_or(|h| !self.cluster.peer_up(h)),
         };
-        if !down || self.by_client.contains_key(client_id) {
+        down && !self.by_client.contains_key(client_id)
+    }
+
+    /// This node claims `client_id` and holds its copy: if the copy's home is down (or is
+    /// `gone`), the copy is read back to answer the claim as a peer would. True: it will.
+    pub(super) fn claim_own_copy(&mut self, client_id: &str, gone: Option<PeerId>) -> bool {
+        if !self.own_copy_usable(client_id, gone) {
             return false;
         }
         let client: Arc<str> = Arc::from(client_id);
@@ -1051,7 +1095,7 @@ impl Engine {
                 .replicas
                 .unconfirmed
                 .iter()
-                .filter(|(_, u)| now >= u.until)
+                .filter(|(_, u)| now >= u.until && u.give_up_to.is_none())
                 .map(|(&sid, _)| sid)
                 .collect();
             for sid in due {

@@ -119,6 +119,9 @@ pub struct ClaimStats {
     pub timed_out: u64,
     /// Messages relayed to a session's new home.
     pub relayed: u64,
+    /// Messages kept here for a dead home sent to where its sessions live now
+    /// (`cluster_kept`).
+    pub kept_handed: u64,
 }
 
 impl Claims {
@@ -141,8 +144,11 @@ impl Claims {
 impl Engine {
     /// Whether the CONNECT must first claim its client id from the other nodes.
     fn claim_needed(&self, pending: &PendingConnect) -> bool {
-        // An id the broker assigned is new everywhere.
-        pending.assigned.is_none() && !self.cluster.claim_peers().is_empty()
+        // An id the broker assigned is new everywhere. With no peer to ask, a copy here of
+        // a dead home's session is still read back.
+        pending.assigned.is_none()
+            && (!self.cluster.claim_peers().is_empty()
+                || (!pending.connect.clean_start && self.own_copy_usable(&pending.client_id, None)))
     }
 
     /// Goes on with a checked CONNECT: claims its client id from the other nodes first if
@@ -402,9 +408,15 @@ impl Engine {
         let summary = self.finish_restore(now);
         self.claims.stats.sessions_in += summary.sessions as u64;
         if let Some(&sid) = self.by_client.get(client_id) {
+            // The node that made the version brought (its home then).
+            let home = self
+                .session(sid)
+                .and_then(|s| s.stamp)
+                .map_or(0, |s| s.node);
             // A new version here, copied to the owners.
             self.installed(sid, now);
             self.start_recent(sid, now);
+            self.ask_kept(sid, home, now);
         }
         if !self.cfg.durable {
             // finish_restore marks what it restores as stored; here nothing is.
@@ -433,14 +445,39 @@ impl Engine {
     /// Whether message `id` reached session `sid` since it moved here (it is remembered if
     /// not).
     pub(super) fn seen_since_move(&mut self, sid: SessionId, id: u128, now: u64) -> bool {
+        let kept_from = self
+            .session(sid)
+            .and_then(|s| s.recent.as_ref())
+            .map_or(0, |r| r.kept_from);
+        // A home that is back (or gone from the cluster) sends on what it held soon.
+        let home_back = kept_from != 0
+            && self
+                .cluster
+                .peer_by_key(kept_from)
+                .is_none_or(|p| self.cluster.peer_up(p));
         let Some(session) = self.session_mut(sid) else {
             return false;
         };
         let Some(recent) = session.recent.as_mut() else {
             return false;
         };
+        if recent.kept_from != 0 {
+            if home_back && recent.kept_until == 0 {
+                recent.kept_until = now + RECENT_MS;
+            }
+            if recent.kept_until != 0 && now >= recent.kept_until {
+                recent.kept_from = 0;
+                recent.kept = Default::default();
+            } else if recent.kept.contains(&id) {
+                return true;
+            }
+        }
         if now >= recent.until {
-            session.recent = None;
+            if recent.kept_from == 0 {
+                session.recent = None;
+            } else if !recent.ids.is_empty() {
+                recent.ids = Default::default();
+            }
             return false;
         }
         if recent.ids.len() >= RECENT_MAX {
@@ -698,7 +735,7 @@ impl Engine {
         }
         self.claims.stats.relayed += 1;
         self.cluster
-            .queue_session_message(peer, &client_id, msg, qos, retain, &sub_ids, now);
+            .queue_session_message(peer, &client_id, msg, qos, retain, &sub_ids, false, now);
         if qos != QoS::AtMostOnce {
             // Kept on disk with the write that acknowledges it to its sender.
             self.cluster.seal_for(peer);
@@ -707,7 +744,9 @@ impl Engine {
         true
     }
 
-    /// A message relayed to session `client_id`, which moved here.
+    /// A message relayed to session `client_id`, which moved here (`kept`: one another node
+    /// kept for its dead home, see `cluster_kept`).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn relayed(
         &mut self,
         client_id: &str,
@@ -715,6 +754,7 @@ impl Engine {
         qos: u8,
         retain: bool,
         sub_ids: Vec<u32>,
+        kept: bool,
         now: u64,
     ) {
         let qos = match qos {
@@ -732,7 +772,7 @@ impl Engine {
                 // where the session went next, so the chain ends where it is).
                 self.claims.stats.relayed += 1;
                 self.cluster
-                    .queue_session_message(peer, client_id, &msg, qos, retain, &sub_ids, now);
+                    .queue_session_message(peer, client_id, &msg, qos, retain, &sub_ids, kept, now);
                 if qos != QoS::AtMostOnce {
                     self.cluster.seal_for(peer);
                     self.store_outgoing(peer);
@@ -746,6 +786,10 @@ impl Engine {
             );
             return;
         };
+        let id = msg.id;
         self.deliver(sid, &msg, qos, retain, sub_ids, now);
+        if kept {
+            self.note_kept(sid, id);
+        }
     }
 }

@@ -1280,6 +1280,20 @@ fn node0_comes_back(
     epoch: u64,
     version: u16,
 ) -> super::RestoreSummary {
+    let links: Vec<usize> = (1..n.h.len()).collect();
+    node0_comes_back_to(n, disk, later, takeover_ms, epoch, version, &links)
+}
+
+/// `node0_comes_back` with links to `links` only (the others stay down).
+fn node0_comes_back_to(
+    n: &mut Nodes,
+    disk: &Disk,
+    later: u64,
+    takeover_ms: u64,
+    epoch: u64,
+    version: u16,
+    links: &[usize],
+) -> super::RestoreSummary {
     let now = n.h[0].now + later;
     let cfg = Config {
         cluster_takeover_ms: takeover_ms,
@@ -1294,6 +1308,11 @@ fn node0_comes_back(
     protocol(n, version);
     set_map(n, 0, &[0, 1], 1);
     for j in 1..n.h.len() {
+        if !n.cut.contains(&(0, j)) {
+            n.cut.push((0, j));
+        }
+    }
+    for &j in links {
         n.heal_link(0, j);
     }
     summary
@@ -2100,4 +2119,216 @@ fn two_owners_copying_to_each_other_never_wait_on_each_other() {
         .unwrap_or_default();
         assert_eq!(payloads(&msgs), [format!("m{hop}")], "hop {hop}");
     }
+}
+
+/// Node 0 homes "dev" (offline, QoS 1 on `cmd/#`, owners 0 and 1) and dies; node 2
+/// publishes "k1" and "k2" for it meanwhile (kept for node 0, acknowledged degraded).
+fn dev_kept_for_dead_node0(takeover_ms: u64) -> (Nodes, Vec<Disk>, crate::broker::ConnId) {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], takeover_ms);
+    protocol(&mut n, 7);
+    offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    n.h[2].publish(publisher, "cmd/dev", "m0", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    for p in ["k1", "k2"] {
+        n.h[2].publish(publisher, "cmd/dev", p, QoS::AtLeastOnce, false);
+    }
+    // Not for "dev": stays kept for node 0 only.
+    n.h[2].publish(publisher, "other/x", "x", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    let acks = n.h[2].recv_one(publisher);
+    assert_eq!(acks.len(), 4, "{acks:?}");
+    (n, disks, publisher)
+}
+
+#[test]
+fn what_a_node_kept_for_a_dead_home_reaches_the_session_where_it_resumes() {
+    let (mut n, mut disks, publisher) = dev_kept_for_dead_node0(0);
+    // The client resumes on node 1 (which holds the copy): node 2 is asked for what it
+    // kept for node 0.
+    let back = n.h[1].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    serve_copy_loads(&mut n.h[1], &disks[1]);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[1].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    let mut want = vec!["m0", "k1", "k2"];
+    assert_eq!(payloads(&got[1..]), want);
+    assert_eq!(n.h[2].e.claim_stats().kept_handed, 2);
+    // Then what node 2 publishes comes straight, after them.
+    n.h[2].publish(publisher, "cmd/dev", "after", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["after"]);
+    want.push("after");
+    // Node 0 comes back a minute later with its queue and node 2's: its restored session
+    // gives way to node 1's and sends on what reached it; none of it twice.
+    for i in 1..3 {
+        n.h[i].now += 60_000;
+        let now = n.h[i].now;
+        n.h[i].e.set_wall_clock(now, now);
+        n.h[i].e.tick(now);
+    }
+    node0_comes_back(&mut n, &disks[0], 60_000, 0, 561, 7);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[0].e.replica_stats().fenced, 1);
+    assert_eq!(payloads(&n.h[1].recv_one(back)), Vec::<String>::new());
+}
+
+#[test]
+fn what_the_resuming_node_kept_itself_for_the_dead_home_reaches_the_session() {
+    let (mut n, mut disks, _) = dev_kept_for_dead_node0(0);
+    // The client resumes on node 2, the publisher's node: its own queue for node 0.
+    let back = n.h[2].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    serve_copy_loads(&mut n.h[1], &disks[1]);
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 2, back, &["m0", "k1", "k2"]);
+    assert_eq!(n.h[1].e.claim_stats().kept_handed, 0);
+}
+
+#[test]
+fn a_session_an_owner_takes_over_gets_what_was_kept_for_its_dead_home() {
+    let (mut n, mut disks, _) = dev_kept_for_dead_node0(5_000);
+    // No client comes back: node 1 takes the session over after the takeover time.
+    for i in 1..3 {
+        tick_after(&mut n, i, 5_000);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    serve_copy_loads(&mut n.h[1], &disks[1]);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[1].e.replica_stats().takeovers, 1);
+    assert_eq!(n.h[2].e.claim_stats().kept_handed, 2);
+    let back = n.h[1].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 1, back, &["m0", "k1", "k2"]);
+}
+
+#[test]
+fn a_peer_of_protocol_6_is_not_asked_for_kept_messages() {
+    let (mut n, mut disks, _) = dev_kept_for_dead_node0(0);
+    protocol(&mut n, 6);
+    let back = n.h[1].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    serve_copy_loads(&mut n.h[1], &disks[1]);
+    settle_and_sync(&mut n, &mut disks);
+    // As before protocol 7: those wait for node 0.
+    assert_resumed(&mut n, 1, back, &["m0"]);
+    assert_eq!(n.h[2].e.claim_stats().kept_handed, 0);
+}
+
+#[test]
+fn a_node_out_of_reach_at_the_takeover_is_asked_once_its_link_is_back() {
+    let (mut n, mut disks, publisher) = dev_kept_for_dead_node0(0);
+    n.cut_link(1, 2);
+    let back = n.h[1].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    serve_copy_loads(&mut n.h[1], &disks[1]);
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 1, back, &["m0"]);
+    // Node 2 does not know yet that node 1 has the session: kept for node 0 only.
+    n.h[2].publish(publisher, "cmd/dev", "k3", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    n.heal_link(1, 2);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["k1", "k2", "k3"]);
+    assert_eq!(n.h[2].e.claim_stats().kept_handed, 3);
+    // The link drops and comes back again: asked again, nothing arrives twice.
+    n.cut_link(1, 2);
+    n.heal_link(1, 2);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[1].recv_one(back)), Vec::<String>::new());
+}
+
+#[test]
+fn a_kept_ask_for_a_shared_filter_is_refused_and_one_for_a_live_or_unknown_home_gets_nothing() {
+    let (mut n, mut disks, _) = dev_kept_for_dead_node0(0);
+    let ask = |home: u64, filter: &str, seq: u64| {
+        let mut w = batch::ItemWriter::default();
+        let sub = batch::KeptSub {
+            filter,
+            qos: 1,
+            retain_as_published: false,
+            identifier: 0,
+        };
+        w.kept_ask("dev", home, false, &[sub]);
+        body_of(&w.finish(batch::Header {
+            epoch: 9,
+            seq,
+            ..Default::default()
+        }))
+    };
+    let from = n.peer[2][1];
+    let now = n.h[2].now;
+    let node0 = super::cluster_retained::node_key("node0");
+    let e = n.h[2]
+        .e
+        .cluster_feed(from, &ask(node0, "$share/g/cmd/#", 1), now);
+    assert!(e.unwrap_err().contains("kept ask"));
+    // An unknown node, and node 1 itself (up): nothing.
+    n.h[2]
+        .e
+        .cluster_feed(from, &ask(12345, "cmd/#", 1), now)
+        .unwrap();
+    let node1 = super::cluster_retained::node_key("node1");
+    n.h[2]
+        .e
+        .cluster_feed(from, &ask(node1, "cmd/#", 2), now)
+        .unwrap();
+    assert_eq!(n.h[2].e.claim_stats().kept_handed, 0);
+    // Node 0 (down): what matches.
+    n.h[2]
+        .e
+        .cluster_feed(from, &ask(node0, "cmd/#", 3), now)
+        .unwrap();
+    assert_eq!(n.h[2].e.claim_stats().kept_handed, 2);
+    settle_and_sync(&mut n, &mut disks);
+}
+
+#[test]
+fn a_batch_written_to_the_home_before_it_died_is_not_handed_on() {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
+    protocol(&mut n, 7);
+    offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    // "w1" is written to node 0's link and node 0 dies with it unacknowledged: node 0 may
+    // have delivered it (node 2 cannot tell), so it stays for node 0's return. "k1" is made
+    // once node 0 is down.
+    n.cut.push((2, 0));
+    n.h[2].publish(publisher, "cmd/dev", "w1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    n.cut.clear();
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    n.h[2].publish(publisher, "cmd/dev", "k1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    let back = n.h[1].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    serve_copy_loads(&mut n.h[1], &disks[1]);
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 1, back, &["k1"]);
+    assert_eq!(n.h[2].e.claim_stats().kept_handed, 1);
+}
+
+#[test]
+fn a_home_back_hands_its_session_on_once_the_new_homes_link_is_up() {
+    let (mut n, mut disks, _) = dev_kept_for_dead_node0(0);
+    let back = n.h[2].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    serve_copy_loads(&mut n.h[1], &disks[1]);
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 2, back, &["m0", "k1", "k2"]);
+    // Node 0 is back, linked to node 1 only: node 1 tells it that the session lives on
+    // node 2, whose protocol node 0 does not know yet (ids could not go with what it sends
+    // on). It waits for that link.
+    node0_comes_back_to(&mut n, &disks[0], 1_000, 5_000, 562, 7, &[1]);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[0].e.replica_stats().fenced, 0);
+    n.heal_link(0, 2);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[0].e.replica_stats().fenced, 1);
+    // What node 0 held (m0) and what node 2 kept for it (k1, k2) went on with their ids.
+    assert_eq!(payloads(&n.h[2].recv_one(back)), Vec::<String>::new());
 }

@@ -10,6 +10,7 @@ pub mod acl;
 mod auth;
 mod cluster;
 mod cluster_gates;
+mod cluster_kept;
 mod cluster_replicas;
 mod cluster_retained;
 mod cluster_sessions;

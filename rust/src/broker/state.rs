@@ -276,6 +276,12 @@ pub struct Session {
 pub struct RecentIds {
     pub until: u64,
     pub ids: HashSet<u128>,
+    /// The key of the dead home it was taken over from (0: none), whose kept messages it
+    /// got (`kept`, broker::cluster_kept): remembered while that node is down and for
+    /// `until`'s span once it is back (`kept_until`, 0 until then).
+    pub kept_from: u64,
+    pub kept_until: u64,
+    pub kept: HashSet<u128>,
 }
 
 impl Session {

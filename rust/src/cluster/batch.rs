@@ -57,8 +57,13 @@ const ITEM_FENCE: u8 = 13;
 const ITEM_INSTALLED: u8 = 14;
 const ITEM_SAFE: u8 = 15;
 const ITEM_COPY_ANSWER: u8 = 16;
+/// Protocol 7: a session taken over from a dead home asks for what was kept for it.
+const ITEM_KEPT_ASK: u8 = 17;
+const ITEM_KEPT_MESSAGE: u8 = 18;
 
 const CLAIM_DISCARD: u8 = 1;
+/// `KeptAsk` subscription flags, beside the QoS in the low two bits.
+const SUB_RAP: u8 = 0b100;
 /// `Copy` flags: a value follows (a put, else a delete); the home's moment follows (6).
 const COPY_PUT: u8 = 1;
 const COPY_AT: u8 = 2;
@@ -115,6 +120,15 @@ pub struct WireMessage<'a> {
     pub id: u128,
 }
 
+/// A subscription of a session, as a `KeptAsk` carries it (plain filters only).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeptSub<'a> {
+    pub filter: &'a str,
+    pub qos: u8,
+    pub retain_as_published: bool,
+    pub identifier: u32,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Item<'a> {
     /// All route rows of the sender, replacing what the receiver held, at `version`.
@@ -142,12 +156,29 @@ pub enum Item<'a> {
     },
     /// A message for session `client_id`, which moved from the sender to the receiver: the
     /// sender's subscriptions for it still matched (route rows take a moment to move).
+    ///
+    /// `kept` (protocol 7): the answer to a `KeptAsk`, a message the sender had kept for
+    /// the session's dead home: the receiver remembers its id as long as that home may
+    /// still come back and send it on.
     SessionMessage {
         client_id: &'a str,
         qos: u8,
         retain: bool,
         sub_ids: Vec<u32>,
         message: WireMessage<'a>,
+        kept: bool,
+    },
+    /// The sender installed session `client_id` from a copy: its home (node key `home`) is
+    /// down. The receiver sends it, as kept `SessionMessage`s, what it keeps for that home
+    /// that matches `subs` (protocol 7). Sent after the sender's route rows for them, so
+    /// what the receiver publishes later comes straight to the sender. `again`: asked when
+    /// a link came back, after the session was installed; what the receiver also sent the
+    /// sender for its own rows reached the session that way.
+    KeptAsk {
+        client_id: &'a str,
+        home: u64,
+        again: bool,
+        subs: Vec<KeptSub<'a>>,
     },
     /// The sender has a CONNECT for `client_id`, stamped with its clock: the receiver closes
     /// its own connection of that client (DISCONNECT 0x8E) and hands the session over in a
@@ -358,6 +389,23 @@ impl ItemWriter {
         self.count += 1;
     }
 
+    pub fn kept_ask(&mut self, client_id: &str, home: u64, again: bool, subs: &[KeptSub<'_>]) {
+        self.w
+            .u8(ITEM_KEPT_ASK)
+            .bytes(client_id.as_bytes())
+            .u64(home)
+            .u8(u8::from(again))
+            .u32(subs.len() as u32);
+        for s in subs {
+            let flags = s.qos | if s.retain_as_published { SUB_RAP } else { 0 };
+            self.w
+                .bytes(s.filter.as_bytes())
+                .u8(flags)
+                .u32(s.identifier);
+        }
+        self.count += 1;
+    }
+
     pub fn installed(&mut self, client_id: &str) {
         self.w.u8(ITEM_INSTALLED).bytes(client_id.as_bytes());
         self.count += 1;
@@ -464,27 +512,47 @@ pub fn encode_message(m: &WireMessage<'_>, out: &mut Vec<u8>) {
 }
 
 /// A [`Item::SessionMessage`]: `message` is an item made by [`encode_message`].
+/// `kept`: an answer to a `KeptAsk` (protocol 7).
 pub fn encode_session_message(
     client_id: &str,
     qos: u8,
     retain: bool,
     sub_ids: &[u32],
     message: &[u8],
+    kept: bool,
     out: &mut Vec<u8>,
 ) {
     let mut w = Writer {
         buf: std::mem::take(out),
     };
-    w.u8(ITEM_SESSION_MESSAGE)
-        .bytes(client_id.as_bytes())
-        .u8(qos)
-        .u8(u8::from(retain))
-        .u32(sub_ids.len() as u32);
+    w.u8(if kept {
+        ITEM_KEPT_MESSAGE
+    } else {
+        ITEM_SESSION_MESSAGE
+    })
+    .bytes(client_id.as_bytes())
+    .u8(qos)
+    .u8(u8::from(retain))
+    .u32(sub_ids.len() as u32);
     for &id in sub_ids {
         w.u32(id);
     }
     w.buf.extend_from_slice(message);
     *out = w.buf;
+}
+
+/// The value of a whole DATA frame as `ItemWriter::finish` made it (for reading this node's
+/// own kept batches back), or None if it is not one.
+pub fn frame_value(frame: &[u8]) -> Option<Vec<u8>> {
+    let mut d = super::FrameDecoder::new(frame.len().max(1));
+    d.extend(frame);
+    match d.next_raw() {
+        Ok(Some((DATA_FRAME, value))) => match super::Value::decode(value) {
+            Ok(super::Value::Bytes(b)) => Some(b),
+            _ => None,
+        },
+        _ => None,
+    }
 }
 
 /// A decoded batch: its header and the items' bytes (decompressed if need be), read with
@@ -667,7 +735,36 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
             stamp: read_stamp(r)?,
             home: utf8(r.bytes()?)?,
         },
-        ITEM_SESSION_MESSAGE => {
+        ITEM_KEPT_ASK => {
+            let client_id = client_id(r.bytes()?)?;
+            let home = r.u64()?;
+            let again = r.u8()?;
+            if again > 1 {
+                return Err(BatchError("bad kept ask flags".into()));
+            }
+            let n = r.u32()?;
+            let mut subs = Vec::new();
+            for _ in 0..n {
+                let filter = utf8(r.bytes()?)?;
+                let flags = r.u8()?;
+                if flags & !(SUB_RAP | 3) != 0 || flags & 3 == 3 {
+                    return Err(BatchError("bad subscription flags".into()));
+                }
+                subs.push(KeptSub {
+                    filter,
+                    qos: flags & 3,
+                    retain_as_published: flags & SUB_RAP != 0,
+                    identifier: r.u32()?,
+                });
+            }
+            Item::KeptAsk {
+                client_id,
+                home,
+                again: again == 1,
+                subs,
+            }
+        }
+        ITEM_SESSION_MESSAGE | ITEM_KEPT_MESSAGE => {
             let client_id = client_id(r.bytes()?)?;
             let qos = r.u8()?;
             let retain = r.u8()?;
@@ -690,6 +787,7 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
                 retain: retain == 1,
                 sub_ids,
                 message,
+                kept: kind == ITEM_KEPT_MESSAGE,
             }
         }
         tag => return Err(BatchError(format!("unknown batch item 0x{tag:02x}"))),
@@ -819,13 +917,36 @@ mod tests {
         w.fence("dev-3", stamp, "n2");
         w.installed("dev-4");
         w.safe(8, 9);
+        let subs = [
+            KeptSub {
+                filter: "cmd/#",
+                qos: 2,
+                retain_as_published: true,
+                identifier: 7,
+            },
+            KeptSub {
+                filter: "a/+",
+                qos: 0,
+                retain_as_published: false,
+                identifier: 0,
+            },
+        ];
+        w.kept_ask("dev-5", 99, true, &subs);
+        for kept in [false, true] {
+            let mut item = Vec::new();
+            encode_session_message("dev-5", 1, true, &[3, 4], &m, kept, &mut item);
+            w.raw_item(&item);
+        }
         let header = Header {
             epoch: 1,
             seq: 2,
             ack_epoch: 3,
             ack_seq: 4,
         };
-        let body = body_of(&w.finish(header));
+        let frame = w.finish(header);
+        let body = body_of(&frame);
+        assert_eq!(frame_value(&frame), Some(body.clone()));
+        assert_eq!(frame_value(&frame[..frame.len() - 1]), None);
         let batch = Batch::decode(&body).unwrap();
         assert_eq!(batch.header, header);
         assert_eq!(
@@ -903,6 +1024,28 @@ mod tests {
                 },
                 Item::Installed { client_id: "dev-4" },
                 Item::Safe { epoch: 8, seq: 9 },
+                Item::KeptAsk {
+                    client_id: "dev-5",
+                    home: 99,
+                    again: true,
+                    subs: subs.to_vec()
+                },
+                Item::SessionMessage {
+                    client_id: "dev-5",
+                    qos: 1,
+                    retain: true,
+                    sub_ids: vec![3, 4],
+                    message: message(b"t/1", b"hello"),
+                    kept: false
+                },
+                Item::SessionMessage {
+                    client_id: "dev-5",
+                    qos: 1,
+                    retain: true,
+                    sub_ids: vec![3, 4],
+                    message: message(b"t/1", b"hello"),
+                    kept: true
+                },
             ]
         );
         assert!(w.is_empty());
@@ -988,6 +1131,22 @@ mod tests {
             .u32(0);
         let w = raw_batch(0, &items.buf);
         assert!(Batch::decode(&w.buf).unwrap().items().is_err());
+        // A kept ask with a subscription of QoS 3, and one with unknown flags.
+        for (again, flags) in [(0u8, 3u8), (2, 1), (0, 0x81)] {
+            let mut items = Writer::default();
+            items
+                .u32(1)
+                .u8(ITEM_KEPT_ASK)
+                .bytes(b"c")
+                .u64(1)
+                .u8(again)
+                .u32(1)
+                .bytes(b"a/#")
+                .u8(flags)
+                .u32(0);
+            let w = raw_batch(0, &items.buf);
+            assert!(Batch::decode(&w.buf).unwrap().items().is_err());
+        }
         // A count larger than the items present.
         let mut items = Writer::default();
         items.u32(1_000_000);

@@ -56,7 +56,7 @@ logger = logging.getLogger("fastbroker.cluster.transport")
 
 MAGIC = "fastbroker-cluster"
 # The inter-node protocol versions this build speaks. A node of the next release speaks
-# [2, 7] and talks 6 with this one, which lets a cluster run mixed during a rolling upgrade.
+# [2, 8] and talks 7 with this one, which lets a cluster run mixed during a rolling upgrade.
 # Version 2 added the data plane (routes and forwarded messages): a version 1 node, which
 # cannot carry them, is refused at handshake. Version 3 added DATA_KEEPALIVE, claims and
 # kicks. Version 4 added copies of sessions (Copy, CopyCheck, Fence batch items). Version 5
@@ -64,9 +64,11 @@ MAGIC = "fastbroker-cluster"
 # Version 6: a home streams copies to a partition's new owners and then releases the former
 # owners' (which keep theirs until then), an owner without a copy asks for one, and copy
 # operations and claim answers read from copies carry the home's moment (the claimant takes
-# the most current copy).
+# the most current copy). Version 7: a node that installs a session of a dead home asks the
+# others for the messages they kept for that home (KeptAsk, answered with kept
+# SessionMessages).
 PROTOCOL_MIN = 2
-PROTOCOL_MAX = 6
+PROTOCOL_MAX = 7
 
 CONTROL = "control"
 DATA_CHANNEL = "data"

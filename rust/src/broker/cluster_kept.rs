@@ -1,0 +1,252 @@
+//! Messages kept for a dead home reach its sessions where they live now (issue 16).
+//!
+//! A node keeps what it routes to a peer whose link is down in that peer's queue (stored:
+//! `cluster`), and acknowledges its publisher with that as one of the copies. If the peer
+//! is dead and one of its sessions is installed on another node from a copy, those messages
+//! would reach the session only once the dead home came back and sent them on (after newer
+//! ones), or never. So the node that installs such a session asks every reachable node of
+//! protocol 7 for what it keeps for the dead home that matches the session's
+//! subscriptions (`KeptAsk`, queued after its route rows for them on the same links: what a
+//! node publishes after answering comes straight to the new home), and looks through its
+//! own queue for that home too. The answers are `SessionMessage`s marked kept. The session
+//! takes each id once, and remembers the kept ones until its old home has been back for
+//! `RECENT_MS`: a home that comes back gets the same messages from its queues and sends
+//! them on to the session (`give_up`).
+//!
+//! Not yet: batches of a down peer past `cluster_outbox_memory` live only in the store and
+//! are not looked through (logged); a node unreachable from the new home when it installs
+//! the session is not asked.
+
+use std::sync::Arc;
+
+use super::cluster::{message_from_wire, PeerId};
+use super::state::{Message, SessionId};
+use super::Engine;
+use crate::cluster::batch::{self, Batch, Item, KeptSub, WireMessage};
+use crate::codec::QoS;
+use crate::topics;
+
+/// The first inter-node protocol that asks for and answers with kept messages.
+const KEPT_PROTOCOL: u16 = 7;
+/// Kept ids a session remembers at most (16 bytes each).
+const KEPT_MAX: usize = 1 << 20;
+
+/// A message kept for a dead home, as the session asking gets it.
+type KeptDelivery = (Arc<Message>, QoS, bool, Vec<u32>);
+
+impl Engine {
+    /// Session `sid` was just installed here from records its home (node key `home`) made:
+    /// if that node is down, what this node and the reachable ones keep for it and the
+    /// session's subscriptions match comes to the session.
+    pub(super) fn ask_kept(&mut self, sid: SessionId, home: u64, now: u64) {
+        let Some(dead) = self.cluster.peer_by_key(home) else {
+            return;
+        };
+        if self.cluster.peer_up(dead) {
+            // A live hand-over: the home relays what reaches it.
+            return;
+        }
+        let Some((client, owned)) = self.plain_subs(sid) else {
+            return;
+        };
+        let subs = kept_subs(&owned);
+        if let Some(s) = self.session_mut(sid) {
+            let recent = s.recent.get_or_insert_with(Default::default);
+            recent.kept_from = home;
+            recent.kept_until = 0;
+        }
+        for peer in self.cluster.up_peers_from(KEPT_PROTOCOL) {
+            self.cluster
+                .queue_kept_ask(peer, &client, home, false, &subs);
+        }
+        let kept = self.kept_matching(dead, &client, &subs, None, now);
+        for (msg, qos, retain, sub_ids) in kept {
+            let id = msg.id;
+            self.deliver(sid, &msg, qos, retain, sub_ids, now);
+            self.note_kept(sid, id);
+        }
+    }
+
+    /// Peer `peer`'s link came up: the sessions here whose dead home is still down ask it
+    /// (it may have kept messages for that home while it could not reach this node). What
+    /// they got already they take only once.
+    pub(super) fn ask_kept_on_link_up(&mut self, peer: PeerId) {
+        if self.cluster.peer_protocol(peer) < KEPT_PROTOCOL {
+            return;
+        }
+        let mut asks = Vec::new();
+        for &sid in self.by_client.values() {
+            let home = self
+                .session(sid)
+                .and_then(|s| s.recent.as_ref())
+                .map_or(0, |r| r.kept_from);
+            let down = self
+                .cluster
+                .peer_by_key(home)
+                .is_some_and(|h| h != peer && !self.cluster.peer_up(h));
+            if home != 0 && down {
+                asks.push((sid, home));
+            }
+        }
+        for (sid, home) in asks {
+            if let Some((client, owned)) = self.plain_subs(sid) {
+                self.cluster
+                    .queue_kept_ask(peer, &client, home, true, &kept_subs(&owned));
+            }
+        }
+    }
+
+    /// Session `sid`'s client id and plain subscriptions (filter, QoS, retain as
+    /// published, identifier), if it has any.
+    fn plain_subs(&self, sid: SessionId) -> Option<(Arc<str>, Vec<OwnedSub>)> {
+        let session = self.session(sid)?;
+        let owned: Vec<OwnedSub> = session
+            .subs
+            .iter()
+            .filter(|(f, _)| topics::split_shared(f).is_none())
+            .map(|(f, o)| (f.clone(), o.qos as u8, o.retain_as_published, o.identifier))
+            .collect();
+        (!owned.is_empty()).then(|| (session.client_id.clone(), owned))
+    }
+
+    /// Peer `peer` installed `client_id` from a copy of the dead node with key `home`: what
+    /// is kept here for that node and matches `subs` goes to it.
+    pub(super) fn kept_asked(
+        &mut self,
+        peer: PeerId,
+        client_id: &str,
+        home: u64,
+        again: bool,
+        subs: &[KeptSub<'_>],
+        now: u64,
+    ) {
+        let Some(dead) = self.cluster.peer_by_key(home) else {
+            return;
+        };
+        if dead == peer || self.cluster.peer_up(dead) {
+            // Its queue is on its way to it.
+            return;
+        }
+        let skip = again.then(|| self.cluster.peer_key(peer));
+        let kept = self.kept_matching(dead, client_id, subs, skip, now);
+        self.claims.stats.kept_handed += kept.len() as u64;
+        for (msg, qos, retain, sub_ids) in kept {
+            self.cluster
+                .queue_session_message(peer, client_id, &msg, qos, retain, &sub_ids, true, now);
+        }
+    }
+
+    /// Session `sid` got kept message `id`: another copy of it (from its old home, back) is
+    /// not delivered again.
+    pub(super) fn note_kept(&mut self, sid: SessionId, id: u128) {
+        if id == 0 {
+            return;
+        }
+        if let Some(recent) = self.session_mut(sid).and_then(|s| s.recent.as_mut()) {
+            if recent.kept_from != 0 && recent.kept.len() < KEPT_MAX {
+                recent.kept.insert(id);
+            }
+        }
+    }
+
+    /// The messages in the queue kept for peer `dead` (in memory) that session `client_id`
+    /// gets with subscriptions `subs`, oldest first; not those that also went to the node
+    /// with key `skip` for its own rows.
+    fn kept_matching(
+        &mut self,
+        dead: PeerId,
+        client_id: &str,
+        subs: &[KeptSub<'_>],
+        skip: Option<u64>,
+        now: u64,
+    ) -> Vec<KeptDelivery> {
+        let mut out = Vec::new();
+        let mut unreadable = 0;
+        let (sent, spilled) = self.cluster.each_kept_frame(dead, |frame| {
+            let value = batch::frame_value(frame);
+            let decoded = value.as_deref().map(Batch::decode);
+            let Some(Ok(b)) = decoded else {
+                unreadable += 1;
+                return;
+            };
+            let Ok(items) = b.items() else {
+                unreadable += 1;
+                return;
+            };
+            for item in items {
+                let (m, qos, retain, sub_ids) = match item {
+                    Item::Message(m) if m.plain && !skip.is_some_and(|k| m.also.contains(&k)) => {
+                        match delivery_for(&m, subs) {
+                            Some((qos, retain, ids)) => (m, qos, retain, ids),
+                            None => continue,
+                        }
+                    }
+                    Item::Message(_) => continue,
+                    Item::SessionMessage {
+                        client_id: c,
+                        qos,
+                        retain,
+                        sub_ids,
+                        message,
+                        ..
+                    } if c == client_id => match QoS::from_u8(qos) {
+                        Some(qos) => (message, qos, retain, sub_ids),
+                        None => continue,
+                    },
+                    _ => continue,
+                };
+                if let Ok(msg) = message_from_wire(&m, now) {
+                    out.push((Arc::new(msg), qos, retain, sub_ids));
+                }
+            }
+        });
+        // Items queued for it were closed into a batch: kept in the store like the others.
+        self.store_outgoing(dead);
+        if sent + spilled + unreadable > 0 {
+            let name = self
+                .cluster
+                .peer_name(dead)
+                .unwrap_or_else(|| Arc::from("?"));
+            self.event(
+                "kept_not_searched",
+                Arc::from(client_id),
+                format!(
+                    "batches kept for {name} not looked through: {sent} written to its link \
+                     before it went down, {spilled} only in the store, {unreadable} unreadable"
+                ),
+            );
+        }
+        out
+    }
+}
+
+type OwnedSub = (String, u8, bool, u32);
+
+fn kept_subs(owned: &[OwnedSub]) -> Vec<KeptSub<'_>> {
+    owned
+        .iter()
+        .map(|(filter, qos, rap, identifier)| KeptSub {
+            filter,
+            qos: *qos,
+            retain_as_published: *rap,
+            identifier: *identifier,
+        })
+        .collect()
+}
+
+/// How a session with plain subscriptions `subs` gets `m`, if any match: one copy, the
+/// highest QoS granted, every identifier (as `route_local` merges overlapping ones).
+fn delivery_for(m: &WireMessage<'_>, subs: &[KeptSub<'_>]) -> Option<(QoS, bool, Vec<u32>)> {
+    let mut granted: Option<u8> = None;
+    let mut rap = false;
+    let mut ids = Vec::new();
+    for s in subs.iter().filter(|s| topics::matches(s.filter, m.topic)) {
+        granted = Some(granted.map_or(s.qos, |g| g.max(s.qos)));
+        rap |= s.retain_as_published;
+        if s.identifier != 0 {
+            ids.push(s.identifier);
+        }
+    }
+    let qos = QoS::from_u8(m.qos.min(granted?))?;
+    Some((qos, m.retain && rap, ids))
+}
