@@ -1052,11 +1052,13 @@ def test_what_nodes_kept_for_a_dead_home_reaches_its_sessions_without_it_coming_
     tmp_path,
 ):
     """n1 homes six offline persistent QoS 1 sessions (each on its own topic); n2 publishes
-    20 messages to each, then n1 is SIGKILLed and n2 publishes 30 more to each, which it can
-    only keep for n1 (and acknowledges once kept). Three clients resume on n3 at once (claims
+    20 messages to each, then n1 freezes (SIGSTOP: no connection reset) and n2 publishes 30
+    more to each: written to n1's link until n2 counts n1 down (the failure timeout), kept
+    for it and then acknowledged; n1 is SIGKILLed. Three clients resume on n3 at once (claims
     answered from the copies); the other three on n2 once n1 was removed from the cluster
     and the owners took its sessions over. n1 never comes back: every acknowledged message
-    arrives, once and in order (n2 sent what it kept for n1 to where the sessions live)."""
+    arrives, once and in order: n2 sent what it kept for n1 to where the sessions live, the
+    batches written to n1's link too, past how far the copies say n1 applied them."""
     with Cluster(tmp_path) as cluster:
         n1, n2, n3 = start_cluster(cluster, 3)
         root = unique("keptfor")
@@ -1082,10 +1084,12 @@ def test_what_nodes_kept_for_a_dead_home_reaches_its_sessions_without_it_coming_
                 assert info.is_published()
 
         publish(0, 20)
-        n1.kill()
-        wait_for(lambda: not plane(n2, "n1")["up"], 10, "n2 sees n1 down", n2)
+        assert n1.proc is not None
+        os.kill(n1.proc.pid, signal.SIGSTOP)
         publish(20, 30)
+        assert not plane(n2, "n1")["up"]
         assert plane(n2, "n1")["unacked_bytes"] > 0
+        n1.kill()
         want = [f"{k}".encode() for k in range(50)]
 
         def resume(node: Node, i: int) -> None:

@@ -32,7 +32,7 @@ use super::cluster_retained::RetainedStamps;
 use super::router::{forwarded_props, Scope};
 use super::state::{Message, SessionId};
 use super::{ConnId, Engine};
-use crate::cluster::batch::{self, Batch, Header, Item, ItemWriter, Stamp, WireMessage};
+use crate::cluster::batch::{self, Batch, Header, Item, ItemWriter, Mark, Stamp, WireMessage};
 use crate::codec::{self, Packet, QoS};
 use crate::store::{envelope, records};
 use crate::topics::{self, SubOpts, SubscriptionIndex};
@@ -484,32 +484,37 @@ impl Cluster {
             .map(|i| i as PeerId)
     }
 
-    /// Calls `f` with each batch frame kept for peer `id` (down) that it cannot have seen:
-    /// never written to its link in this run, in memory; oldest first (what was queued for
-    /// it is closed first). Returns how many were left out: written to its link before it
-    /// went down (it may have applied them: handing them on could deliver a message twice)
-    /// and only in the store.
+    /// Calls `f(incarnation, number, written to the link, frame)` with each batch frame
+    /// kept for peer `id` that is in memory, oldest first (what was queued for it is closed
+    /// first). Returns how many are only in the store.
     pub(super) fn each_kept_frame(
         &mut self,
         id: PeerId,
-        mut f: impl FnMut(&[u8]),
-    ) -> (usize, usize) {
+        mut f: impl FnMut(u64, u64, bool, &[u8]),
+    ) -> usize {
         let epoch = self.epoch;
         let Some(peer) = self.peer_mut(id) else {
-            return (0, 0);
+            return 0;
         };
         peer.seal(epoch);
-        let (mut sent, mut spilled) = (0, 0);
+        let mut spilled = 0;
         for o in &peer.out {
-            if o.sent {
-                sent += 1;
-            } else if o.spilled {
+            if o.spilled {
                 spilled += 1;
             } else {
-                f(&o.frame);
+                f(o.epoch, o.seq, o.sent, &o.frame);
             }
         }
-        (sent, spilled)
+        spilled
+    }
+
+    /// Tells peer `id` (an owner this node copied to) that it applied `mark`.
+    pub(super) fn queue_applied(&mut self, id: PeerId, mark: Mark) {
+        if let Some(peer) = self.peer_mut(id).filter(|p| p.protocol >= 7) {
+            peer.items.applied(mark);
+            peer.reliable = true;
+            self.has_output = true;
+        }
     }
 
     /// Peers up that speak protocol `min` or later.
@@ -528,10 +533,11 @@ impl Cluster {
         client_id: &str,
         home: u64,
         again: bool,
+        applied: Option<(u64, u64)>,
         subs: &[batch::KeptSub<'_>],
     ) {
         if let Some(peer) = self.peer_mut(id) {
-            peer.items.kept_ask(client_id, home, again, subs);
+            peer.items.kept_ask(client_id, home, again, applied, subs);
             peer.reliable = true;
             self.has_output = true;
         }
@@ -675,10 +681,13 @@ impl Cluster {
         stamp: Stamp,
         records: &[(Vec<u8>, Vec<u8>)],
         copy_at: Option<u64>,
+        marks: &[Mark],
     ) {
         if let Some(peer) = self.peer_mut(id) {
             let copy_at = copy_at.filter(|_| peer.protocol >= 6);
-            peer.items.claim_answer(client_id, stamp, records, copy_at);
+            let marks = (peer.protocol >= 7).then_some(marks);
+            peer.items
+                .claim_answer(client_id, stamp, records, copy_at, marks);
             peer.reliable = true;
             self.has_output = true;
         }
@@ -1406,6 +1415,7 @@ impl Engine {
                 | Item::CopyCheck { .. }
                 | Item::Fence { .. }
                 | Item::Installed { .. }
+                | Item::Applied(_)
                 | Item::Safe { .. } => {}
             }
         }
@@ -1458,8 +1468,10 @@ impl Engine {
             }
             peer.recv_seq = h.seq;
         }
-        // Copies this batch makes (messages stored for persistent sessions) hold its `Safe`.
+        // Copies this batch makes (messages stored for persistent sessions) hold its `Safe`,
+        // and tell their owners how far this node applied the sender's batches.
         self.replicas.start();
+        self.replicas.copied_to.clear();
         let c = &mut self.cluster;
         let peer = c.peer_mut(id).expect("checked");
         peer.stats.messages_in += messages.len() as u64;
@@ -1521,14 +1533,20 @@ impl Engine {
                     client_id,
                     home,
                     again,
+                    applied,
                     subs,
-                } => self.kept_asked(id, client_id, home, again, &subs, now),
+                } => self.kept_asked(id, client_id, home, again, applied, &subs, now),
                 Item::ClaimAnswer {
                     client_id,
                     stamp,
                     records,
                     copy_at,
-                } => self.claim_answered(id, client_id, stamp, &records, copy_at, now),
+                    marks,
+                } => {
+                    let copy = copy_at.map(|at| (at, &marks[..]));
+                    self.claim_answered(id, client_id, stamp, &records, copy, now);
+                }
+                Item::Applied(mark) => self.applied_received(id, mark),
                 Item::Message(m) => {
                     let msg = messages.next().expect("one per message item");
                     let scope = Scope::Forwarded {
@@ -1574,6 +1592,16 @@ impl Engine {
                         self.release_acks();
                     }
                 }
+            }
+        }
+        if h.seq != 0 && !self.replicas.copied_to.is_empty() {
+            let mark = Mark {
+                node: self.cluster.peer_key(id),
+                epoch: h.epoch,
+                seq: h.seq,
+            };
+            for to in std::mem::take(&mut self.replicas.copied_to) {
+                self.cluster.queue_applied(to, mark);
             }
         }
         // A copy handed over or replaced by this batch answers the claims that waited on it.

@@ -8,21 +8,24 @@
 //! protocol 7 for what it keeps for the dead home that matches the session's
 //! subscriptions (`KeptAsk`, queued after its route rows for them on the same links: what a
 //! node publishes after answering comes straight to the new home), and looks through its
-//! own queue for that home too. The answers are `SessionMessage`s marked kept. The session
+//! own queue for that home too. A batch written to the home's link before it died may have
+//! been applied there: the home tells the owners it copies to how far it applied each
+//! node's batches (`Applied`, after the copies they made), a claim answer read from a copy
+//! carries those marks, and only a written batch past its mark is handed on (none without
+//! one). The answers are `SessionMessage`s marked kept. The session
 //! takes each id once, and remembers the kept ones until its old home has been back for
 //! `RECENT_MS`: a home that comes back gets the same messages from its queues and sends
 //! them on to the session (`give_up`).
 //!
 //! Not yet: batches of a down peer past `cluster_outbox_memory` live only in the store and
-//! are not looked through (logged); a node unreachable from the new home when it installs
-//! the session is not asked.
+//! are not looked through (logged); marks are in the owners' memory only.
 
 use std::sync::Arc;
 
 use super::cluster::{message_from_wire, PeerId};
 use super::state::{Message, SessionId};
 use super::Engine;
-use crate::cluster::batch::{self, Batch, Item, KeptSub, WireMessage};
+use crate::cluster::batch::{self, Batch, Item, KeptSub, Mark, WireMessage};
 use crate::codec::QoS;
 use crate::topics;
 
@@ -38,7 +41,7 @@ impl Engine {
     /// Session `sid` was just installed here from records its home (node key `home`) made:
     /// if that node is down, what this node and the reachable ones keep for it and the
     /// session's subscriptions match comes to the session.
-    pub(super) fn ask_kept(&mut self, sid: SessionId, home: u64, now: u64) {
+    pub(super) fn ask_kept(&mut self, sid: SessionId, home: u64, marks: &[Mark], now: u64) {
         let Some(dead) = self.cluster.peer_by_key(home) else {
             return;
         };
@@ -54,12 +57,16 @@ impl Engine {
             let recent = s.recent.get_or_insert_with(Default::default);
             recent.kept_from = home;
             recent.kept_until = 0;
+            recent.kept_marks = marks.to_vec();
         }
         for peer in self.cluster.up_peers_from(KEPT_PROTOCOL) {
+            let applied = applied_for(marks, self.cluster.peer_key(peer));
             self.cluster
-                .queue_kept_ask(peer, &client, home, false, &subs);
+                .queue_kept_ask(peer, &client, home, false, applied, &subs);
         }
-        let kept = self.kept_matching(dead, &client, &subs, None, now);
+        let own = super::cluster_retained::node_key(&self.cluster.name);
+        let applied = applied_for(marks, own);
+        let kept = self.kept_matching(dead, &client, &subs, None, applied, now);
         for (msg, qos, retain, sub_ids) in kept {
             let id = msg.id;
             self.deliver(sid, &msg, qos, retain, sub_ids, now);
@@ -75,23 +82,27 @@ impl Engine {
             return;
         }
         let mut asks = Vec::new();
+        let key = self.cluster.peer_key(peer);
         for &sid in self.by_client.values() {
-            let home = self
+            let (home, applied) = self
                 .session(sid)
                 .and_then(|s| s.recent.as_ref())
-                .map_or(0, |r| r.kept_from);
+                .map_or((0, None), |r| {
+                    (r.kept_from, applied_for(&r.kept_marks, key))
+                });
             let down = self
                 .cluster
                 .peer_by_key(home)
                 .is_some_and(|h| h != peer && !self.cluster.peer_up(h));
             if home != 0 && down {
-                asks.push((sid, home));
+                asks.push((sid, home, applied));
             }
         }
-        for (sid, home) in asks {
+        for (sid, home, applied) in asks {
             if let Some((client, owned)) = self.plain_subs(sid) {
+                let subs = kept_subs(&owned);
                 self.cluster
-                    .queue_kept_ask(peer, &client, home, true, &kept_subs(&owned));
+                    .queue_kept_ask(peer, &client, home, true, applied, &subs);
             }
         }
     }
@@ -111,12 +122,14 @@ impl Engine {
 
     /// Peer `peer` installed `client_id` from a copy of the dead node with key `home`: what
     /// is kept here for that node and matches `subs` goes to it.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn kept_asked(
         &mut self,
         peer: PeerId,
         client_id: &str,
         home: u64,
         again: bool,
+        applied: Option<(u64, u64)>,
         subs: &[KeptSub<'_>],
         now: u64,
     ) {
@@ -128,7 +141,7 @@ impl Engine {
             return;
         }
         let skip = again.then(|| self.cluster.peer_key(peer));
-        let kept = self.kept_matching(dead, client_id, subs, skip, now);
+        let kept = self.kept_matching(dead, client_id, subs, skip, applied, now);
         self.claims.stats.kept_handed += kept.len() as u64;
         for (msg, qos, retain, sub_ids) in kept {
             self.cluster
@@ -151,55 +164,69 @@ impl Engine {
 
     /// The messages in the queue kept for peer `dead` (in memory) that session `client_id`
     /// gets with subscriptions `subs`, oldest first; not those that also went to the node
-    /// with key `skip` for its own rows.
+    /// with key `skip` for its own rows. A batch written to the dead node's link before it
+    /// went down it may have applied: only one past `applied` (its incarnation and number,
+    /// as the session's copy knows how far the home applied ours) goes, none without it
+    /// (handing it on could deliver a QoS 2 message twice; what the home applied and the
+    /// client was told of, the copy holds).
     fn kept_matching(
         &mut self,
         dead: PeerId,
         client_id: &str,
         subs: &[KeptSub<'_>],
         skip: Option<u64>,
+        applied: Option<(u64, u64)>,
         now: u64,
     ) -> Vec<KeptDelivery> {
         let mut out = Vec::new();
-        let mut unreadable = 0;
-        let (sent, spilled) = self.cluster.each_kept_frame(dead, |frame| {
-            let value = batch::frame_value(frame);
-            let decoded = value.as_deref().map(Batch::decode);
-            let Some(Ok(b)) = decoded else {
-                unreadable += 1;
-                return;
-            };
-            let Ok(items) = b.items() else {
-                unreadable += 1;
-                return;
-            };
-            for item in items {
-                let (m, qos, retain, sub_ids) = match item {
-                    Item::Message(m) if m.plain && !skip.is_some_and(|k| m.also.contains(&k)) => {
-                        match delivery_for(&m, subs) {
-                            Some((qos, retain, ids)) => (m, qos, retain, ids),
-                            None => continue,
-                        }
-                    }
-                    Item::Message(_) => continue,
-                    Item::SessionMessage {
-                        client_id: c,
-                        qos,
-                        retain,
-                        sub_ids,
-                        message,
-                        ..
-                    } if c == client_id => match QoS::from_u8(qos) {
-                        Some(qos) => (message, qos, retain, sub_ids),
-                        None => continue,
-                    },
-                    _ => continue,
-                };
-                if let Ok(msg) = message_from_wire(&m, now) {
-                    out.push((Arc::new(msg), qos, retain, sub_ids));
+        let (mut unreadable, mut sent) = (0, 0);
+        let spilled = self
+            .cluster
+            .each_kept_frame(dead, |epoch, seq, written, frame| {
+                let past = |(e, s): (u64, u64)| seq != 0 && epoch == e && seq > s;
+                if written && !applied.is_some_and(past) {
+                    sent += 1;
+                    return;
                 }
-            }
-        });
+                let value = batch::frame_value(frame);
+                let decoded = value.as_deref().map(Batch::decode);
+                let Some(Ok(b)) = decoded else {
+                    unreadable += 1;
+                    return;
+                };
+                let Ok(items) = b.items() else {
+                    unreadable += 1;
+                    return;
+                };
+                for item in items {
+                    let (m, qos, retain, sub_ids) = match item {
+                        Item::Message(m)
+                            if m.plain && !skip.is_some_and(|k| m.also.contains(&k)) =>
+                        {
+                            match delivery_for(&m, subs) {
+                                Some((qos, retain, ids)) => (m, qos, retain, ids),
+                                None => continue,
+                            }
+                        }
+                        Item::Message(_) => continue,
+                        Item::SessionMessage {
+                            client_id: c,
+                            qos,
+                            retain,
+                            sub_ids,
+                            message,
+                            ..
+                        } if c == client_id => match QoS::from_u8(qos) {
+                            Some(qos) => (message, qos, retain, sub_ids),
+                            None => continue,
+                        },
+                        _ => continue,
+                    };
+                    if let Ok(msg) = message_from_wire(&m, now) {
+                        out.push((Arc::new(msg), qos, retain, sub_ids));
+                    }
+                }
+            });
         // Items queued for it were closed into a batch: kept in the store like the others.
         self.store_outgoing(dead);
         if sent + spilled + unreadable > 0 {
@@ -249,4 +276,12 @@ fn delivery_for(m: &WireMessage<'_>, subs: &[KeptSub<'_>]) -> Option<(QoS, bool,
     }
     let qos = QoS::from_u8(m.qos.min(granted?))?;
     Some((qos, m.retain && rap, ids))
+}
+
+/// Node `node`'s incarnation and batch number in `marks`.
+fn applied_for(marks: &[Mark], node: u64) -> Option<(u64, u64)> {
+    marks
+        .iter()
+        .find(|m| m.node == node)
+        .map(|m| (m.epoch, m.seq))
 }

@@ -41,7 +41,7 @@ use super::cluster_streams::Streams;
 use super::router::Scope;
 use super::state::{Message, SessionId};
 use super::Engine;
-use crate::cluster::batch::Stamp;
+use crate::cluster::batch::{Mark, Stamp};
 use crate::codec::QoS;
 use crate::store::envelope;
 use crate::store::records;
@@ -191,6 +191,12 @@ pub(super) struct Replicas {
     scratch: Vec<PeerId>,
     /// Sessions of this node being copied to new owners after a map change.
     pub(super) streams: Streams,
+    /// The owners the batch being applied made copies for (they are told how far this
+    /// node applied the sender's batches: `Item::Applied`).
+    pub(super) copied_to: Vec<PeerId>,
+    /// By home (its key): how far it applied each node's batches, as it told this node
+    /// with the copies (in memory; none after a restart).
+    marks: HashMap<u64, Vec<Mark>>,
     pub(super) stats: ReplicaStats,
 }
 
@@ -381,6 +387,9 @@ impl Engine {
             };
             queued = true;
             self.replicas.stats.ops_out += 1;
+            if !self.replicas.copied_to.contains(&t) {
+                self.replicas.copied_to.push(t);
+            }
             if up && waited < need {
                 self.replicas.waits.push((t, seq));
                 waited += 1;
@@ -1080,7 +1089,7 @@ impl Engine {
             } else {
                 // Handed over by its home (or gone, or no word from it): nothing here.
                 self.cluster
-                    .queue_claim_answer(w.peer, &w.client, w.stamp, &[], None);
+                    .queue_claim_answer(w.peer, &w.client, w.stamp, &[], None, &[]);
             }
         }
     }
@@ -1140,6 +1149,32 @@ impl Engine {
         }
     }
 
+    /// Peer `peer` (a home this node holds copies of) applied `mark`.
+    pub(super) fn applied_received(&mut self, peer: PeerId, mark: Mark) {
+        let home = self.cluster.peer_key(peer);
+        let marks = self.replicas.marks.entry(home).or_default();
+        match marks.iter().position(|m| m.node == mark.node) {
+            Some(i) if marks[i].epoch == mark.epoch => marks[i].seq = marks[i].seq.max(mark.seq),
+            Some(i) => marks[i] = mark,
+            // One per node of the cluster at most.
+            None if marks.len() < 1024 => marks.push(mark),
+            None => {}
+        }
+    }
+
+    /// The marks of the home of this node's copy of `client_id` (see `applied_received`).
+    pub(super) fn copy_marks(&self, client_id: &str) -> Vec<Mark> {
+        self.replicas
+            .copies
+            .get(client_id)
+            .and_then(|c| {
+                let key = super::cluster_retained::node_key(&c.home);
+                self.replicas.marks.get(&key)
+            })
+            .cloned()
+            .unwrap_or_default()
+    }
+
     pub fn has_copy_loads(&self) -> bool {
         !self.replicas.loads.is_empty()
     }
@@ -1192,9 +1227,10 @@ impl Engine {
         match want {
             Use::Claim { peer, stamp } => {
                 self.replicas.stats.claims_served += 1;
+                let marks = self.copy_marks(client_id);
                 self.drop_copy(client_id);
                 self.cluster
-                    .queue_claim_answer(peer, client_id, stamp, &inner, Some(at));
+                    .queue_claim_answer(peer, client_id, stamp, &inner, Some(at), &marks);
                 // Kept on disk in the same write that deletes the copy.
                 self.cluster.seal_for(peer);
                 self.store_outgoing(peer);
@@ -1203,7 +1239,8 @@ impl Engine {
                 self.replicas.stats.claims_served += 1;
                 let pairs: Vec<(&[u8], &[u8])> =
                     inner.iter().map(|(k, v)| (&k[..], &v[..])).collect();
-                self.own_copy_loaded(client_id, &pairs, at, now);
+                let marks = self.copy_marks(client_id);
+                self.own_copy_loaded(client_id, &pairs, at, &marks, now);
             }
             Use::Takeover => {
                 if self.by_client.contains_key(client_id) {
@@ -1212,7 +1249,8 @@ impl Engine {
                 self.replicas.stats.takeovers += 1;
                 let pairs: Vec<(&[u8], &[u8])> =
                     inner.iter().map(|(k, v)| (&k[..], &v[..])).collect();
-                self.install_session(client_id, &pairs, now);
+                let marks = self.copy_marks(client_id);
+                self.install_session(client_id, &pairs, &marks, now);
                 self.event(
                     "session_taken_over",
                     Arc::from(client_id),

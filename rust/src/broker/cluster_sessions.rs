@@ -48,7 +48,7 @@ use super::connect::PendingConnect;
 use super::router::Scope;
 use super::state::{ConnState, Message, SessionId};
 use super::{ConnId, Engine};
-use crate::cluster::batch::Stamp;
+use crate::cluster::batch::{Mark, Stamp};
 use crate::codec::QoS;
 
 /// How long a claim waits for a peer whose link is up but that does not answer.
@@ -90,6 +90,8 @@ struct CopyAnswer {
     at: u64,
     from: PeerId,
     records: Vec<(Vec<u8>, Vec<u8>)>,
+    /// How far the home had applied each node's batches, as that copy knows it.
+    marks: Vec<Mark>,
 }
 
 #[derive(Default)]
@@ -215,7 +217,7 @@ impl Engine {
             if ours.stamp > stamp {
                 // Ours is newer: theirs finds nothing here, and ours takes over from it.
                 self.cluster
-                    .queue_claim_answer(peer, client_id, stamp, &[], None);
+                    .queue_claim_answer(peer, client_id, stamp, &[], None, &[]);
             } else {
                 // One per peer and client id (its newest): a peer cannot grow the list.
                 self.claims
@@ -248,7 +250,7 @@ impl Engine {
         if sid.is_some_and(|sid| self.claims.won.get(&sid).is_some_and(|&w| w > stamp)) {
             // Made by a newer claim than this one: it stays.
             self.cluster
-                .queue_claim_answer(peer, client_id, stamp, &[], None);
+                .queue_claim_answer(peer, client_id, stamp, &[], None, &[]);
             return;
         }
         if let Some(sid) = sid {
@@ -274,7 +276,7 @@ impl Engine {
             }
         }
         self.cluster
-            .queue_claim_answer(peer, client_id, stamp, &records, None);
+            .queue_claim_answer(peer, client_id, stamp, &records, None, &[]);
         if !records.is_empty() {
             // Kept on disk in the same write that deletes the session's own records: it is
             // on one disk or the other whatever crashes.
@@ -284,38 +286,41 @@ impl Engine {
     }
 
     /// A peer answered the claim with `stamp` (records: the session, if it held one;
-    /// `copy_at`: read from its copy, current as of that moment of the session's home).
+    /// `copy`: read from its copy, current as of that moment of the session's home, with
+    /// the home's `Applied` marks the copy holds).
     pub(super) fn claim_answered(
         &mut self,
         peer: PeerId,
         client_id: &str,
         stamp: Stamp,
         records: &[(&[u8], &[u8])],
-        copy_at: Option<u64>,
+        copy: Option<(u64, &[Mark])>,
         now: u64,
     ) {
+        let marks = copy.map_or(&[][..], |c| c.1);
         if !records.is_empty() {
             let ours = self.claims.pending.get_mut(client_id);
             match ours {
-                Some(claim) if claim.stamp == stamp && copy_at.is_some() => {
+                Some(claim) if claim.stamp == stamp && copy.is_some() => {
                     // Kept until every answer is in: another owner's copy may be more
                     // current (it acknowledged what this one had not got yet).
-                    let at = copy_at.expect("checked");
+                    let at = copy.expect("checked").0;
                     if claim.best_copy.as_ref().is_none_or(|b| b.at < at) {
                         let owned = records.iter().map(|(k, v)| (k.to_vec(), v.to_vec()));
                         claim.best_copy = Some(CopyAnswer {
                             at,
                             from: peer,
                             records: owned.collect(),
+                            marks: marks.to_vec(),
                         });
                     }
                 }
                 Some(claim) if claim.stamp == stamp => {
-                    self.install_claimed(peer, client_id, records, now);
+                    self.install_claimed(peer, client_id, records, &[], now);
                 }
                 _ if !self.by_client.contains_key(client_id) => {
                     // No claim waits (this node restarted, or gave up): kept, disconnected.
-                    self.install_session(client_id, records, now);
+                    self.install_session(client_id, records, marks, now);
                 }
                 _ => {
                     // A session of this client is here already (a newer connect): the
@@ -348,11 +353,12 @@ impl Engine {
         peer: PeerId,
         client_id: &str,
         records: &[(&[u8], &[u8])],
+        marks: &[Mark],
         now: u64,
     ) {
         let held = self.replace_unconfirmed(client_id, peer, now);
         if !self.by_client.contains_key(client_id) {
-            self.install_session(client_id, records, now);
+            self.install_session(client_id, records, marks, now);
         }
         if let Some(&sid) = self.by_client.get(client_id) {
             for h in held {
@@ -368,25 +374,28 @@ impl Engine {
         client_id: &str,
         records: &[(&[u8], &[u8])],
         at: u64,
+        marks: &[Mark],
         now: u64,
     ) {
         match self.claims.pending.get(client_id) {
             Some(claim) => {
                 let stamp = claim.stamp;
-                self.claim_answered(THIS_NODE, client_id, stamp, records, Some(at), now);
+                self.claim_answered(THIS_NODE, client_id, stamp, records, Some((at, marks)), now);
             }
             // The claim went on without it (its timeout): a session made meanwhile stays.
             None if self.by_client.contains_key(client_id) => {}
-            None => self.install_session(client_id, records, now),
+            None => self.install_session(client_id, records, marks, now),
         }
     }
 
     /// Installs a session from its store records (as another node holds them) and keeps
-    /// them in this node's store.
+    /// them in this node's store. `marks`: read from a copy, how far its home had applied
+    /// each node's batches (`cluster_kept`).
     pub(super) fn install_session(
         &mut self,
         client_id: &str,
         records: &[(&[u8], &[u8])],
+        marks: &[Mark],
         now: u64,
     ) {
         let bad = self.restore(records);
@@ -416,7 +425,7 @@ impl Engine {
             // A new version here, copied to the owners.
             self.installed(sid, now);
             self.start_recent(sid, now);
-            self.ask_kept(sid, home, now);
+            self.ask_kept(sid, home, marks, now);
         }
         if !self.cfg.durable {
             // finish_restore marks what it restores as stored; here nothing is.
@@ -497,7 +506,7 @@ impl Engine {
             if !self.by_client.contains_key(client_id) {
                 let pairs: Vec<(&[u8], &[u8])> =
                     best.records.iter().map(|(k, v)| (&k[..], &v[..])).collect();
-                self.install_claimed(best.from, client_id, &pairs, now);
+                self.install_claimed(best.from, client_id, &pairs, &best.marks, now);
             }
         }
         // The connection may have closed meanwhile (its slot even reused).

@@ -282,6 +282,9 @@ pub struct RecentIds {
     pub kept_from: u64,
     pub kept_until: u64,
     pub kept: HashSet<u128>,
+    /// How far that home had applied each node's batches, as the copy it was installed
+    /// from knew it (asked again with them when a link comes up).
+    pub kept_marks: Vec<crate::cluster::batch::Mark>,
 }
 
 impl Session {

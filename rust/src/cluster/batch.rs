@@ -60,6 +60,12 @@ const ITEM_COPY_ANSWER: u8 = 16;
 /// Protocol 7: a session taken over from a dead home asks for what was kept for it.
 const ITEM_KEPT_ASK: u8 = 17;
 const ITEM_KEPT_MESSAGE: u8 = 18;
+const ITEM_APPLIED: u8 = 19;
+/// A `CopyAnswer` with the home's `Applied` marks the copy holds (protocol 7).
+const ITEM_COPY_ANSWER_MARKED: u8 = 20;
+/// `KeptAsk` flags.
+const ASK_AGAIN: u8 = 1;
+const ASK_APPLIED: u8 = 2;
 
 const CLAIM_DISCARD: u8 = 1;
 /// `KeptAsk` subscription flags, beside the QoS in the low two bits.
@@ -120,6 +126,14 @@ pub struct WireMessage<'a> {
     pub id: u128,
 }
 
+/// How far a home applied one node's batches: that node's key, incarnation, batch number.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Mark {
+    pub node: u64,
+    pub epoch: u64,
+    pub seq: u64,
+}
+
 /// A subscription of a session, as a `KeptAsk` carries it (plain filters only).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeptSub<'a> {
@@ -174,12 +188,21 @@ pub enum Item<'a> {
     /// what the receiver publishes later comes straight to the sender. `again`: asked when
     /// a link came back, after the session was installed; what the receiver also sent the
     /// sender for its own rows reached the session that way.
+    ///
+    /// `applied`: how far the home had applied the receiver's batches (its incarnation and
+    /// batch number), as the copy the session was installed from knows it: batches written
+    /// to the home's link past that are sent on too (without it, none written to the link).
     KeptAsk {
         client_id: &'a str,
         home: u64,
         again: bool,
+        applied: Option<(u64, u64)>,
         subs: Vec<KeptSub<'a>>,
     },
+    /// The sender (a session's home) has applied the reliable batches of the node with key
+    /// `node` of its incarnation `epoch` up to `seq`, and the copies they made went before
+    /// this item (protocol 7; sent to the owners it copied to).
+    Applied(Mark),
     /// The sender has a CONNECT for `client_id`, stamped with its clock: the receiver closes
     /// its own connection of that client (DISCONNECT 0x8E) and hands the session over in a
     /// `ClaimAnswer`, or ends it (`discard`: a clean start, or the sender holds one already).
@@ -192,11 +215,15 @@ pub enum Item<'a> {
     /// The answer to the claim with `stamp`: the session's store records (key, sealed value)
     /// as the store holds them, or none. `copy_at` (protocol 6): read from a copy, which was
     /// current as of that moment of its home (`Copy::at`); the claimant takes the newest.
+    ///
+    /// `marks` (protocol 7, with `copy_at` only): the `Applied` marks of the session's home
+    /// the copy's owner holds: how far the home had applied each node's batches.
     ClaimAnswer {
         client_id: &'a str,
         stamp: Stamp,
         records: Vec<(&'a [u8], &'a [u8])>,
         copy_at: Option<u64>,
+        marks: Vec<Mark>,
     },
     /// One store operation on a session record of the sender (its home), for the receiver's
     /// copy (protocol 4): put `value` (sealed, as the sender stores it) under `key`, or
@@ -323,16 +350,19 @@ impl ItemWriter {
         self.count += 1;
     }
 
+    /// `marks` (with `copy_at` only; protocol 7): see `Item::ClaimAnswer`.
     pub fn claim_answer(
         &mut self,
         client_id: &str,
         stamp: Stamp,
         records: &[(Vec<u8>, Vec<u8>)],
         copy_at: Option<u64>,
+        marks: Option<&[Mark]>,
     ) {
-        let kind = match copy_at {
-            Some(_) => ITEM_COPY_ANSWER,
-            None => ITEM_CLAIM_ANSWER,
+        let kind = match (copy_at, marks) {
+            (Some(_), Some(_)) => ITEM_COPY_ANSWER_MARKED,
+            (Some(_), None) => ITEM_COPY_ANSWER,
+            (None, _) => ITEM_CLAIM_ANSWER,
         };
         self.w
             .u8(kind)
@@ -341,6 +371,12 @@ impl ItemWriter {
             .u64(stamp.node);
         if let Some(at) = copy_at {
             self.w.u64(at);
+            if let Some(marks) = marks {
+                self.w.u32(marks.len() as u32);
+                for m in marks {
+                    self.w.u64(m.node).u64(m.epoch).u64(m.seq);
+                }
+            }
         }
         self.w.u32(records.len() as u32);
         for (key, value) in records {
@@ -389,13 +425,25 @@ impl ItemWriter {
         self.count += 1;
     }
 
-    pub fn kept_ask(&mut self, client_id: &str, home: u64, again: bool, subs: &[KeptSub<'_>]) {
+    pub fn kept_ask(
+        &mut self,
+        client_id: &str,
+        home: u64,
+        again: bool,
+        applied: Option<(u64, u64)>,
+        subs: &[KeptSub<'_>],
+    ) {
+        let flags =
+            if again { ASK_AGAIN } else { 0 } | if applied.is_some() { ASK_APPLIED } else { 0 };
         self.w
             .u8(ITEM_KEPT_ASK)
             .bytes(client_id.as_bytes())
             .u64(home)
-            .u8(u8::from(again))
-            .u32(subs.len() as u32);
+            .u8(flags);
+        if let Some((epoch, seq)) = applied {
+            self.w.u64(epoch).u64(seq);
+        }
+        self.w.u32(subs.len() as u32);
         for s in subs {
             let flags = s.qos | if s.retain_as_published { SUB_RAP } else { 0 };
             self.w
@@ -403,6 +451,11 @@ impl ItemWriter {
                 .u8(flags)
                 .u32(s.identifier);
         }
+        self.count += 1;
+    }
+
+    pub fn applied(&mut self, m: Mark) {
+        self.w.u8(ITEM_APPLIED).u64(m.node).u64(m.epoch).u64(m.seq);
         self.count += 1;
     }
 
@@ -673,17 +726,24 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
                 discard: flags & CLAIM_DISCARD != 0,
             }
         }
-        ITEM_CLAIM_ANSWER | ITEM_COPY_ANSWER => {
+        ITEM_CLAIM_ANSWER | ITEM_COPY_ANSWER | ITEM_COPY_ANSWER_MARKED => {
             let client_id = client_id(r.bytes()?)?;
             let stamp = Stamp {
                 clock: r.u64()?,
                 node: r.u64()?,
             };
-            let copy_at = if kind == ITEM_COPY_ANSWER {
-                Some(r.u64()?)
-            } else {
+            let copy_at = if kind == ITEM_CLAIM_ANSWER {
                 None
+            } else {
+                Some(r.u64()?)
             };
+            let mut marks = Vec::new();
+            if kind == ITEM_COPY_ANSWER_MARKED {
+                let n = r.u32()?;
+                for _ in 0..n {
+                    marks.push(read_mark(r)?);
+                }
+            }
             let n = r.u32()?;
             let mut records = Vec::new();
             for _ in 0..n {
@@ -694,6 +754,7 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
                 stamp,
                 records,
                 copy_at,
+                marks,
             }
         }
         ITEM_MESSAGE => Item::Message(read_message(r)?),
@@ -738,10 +799,15 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
         ITEM_KEPT_ASK => {
             let client_id = client_id(r.bytes()?)?;
             let home = r.u64()?;
-            let again = r.u8()?;
-            if again > 1 {
+            let ask = r.u8()?;
+            if ask & !(ASK_AGAIN | ASK_APPLIED) != 0 {
                 return Err(BatchError("bad kept ask flags".into()));
             }
+            let applied = if ask & ASK_APPLIED != 0 {
+                Some((r.u64()?, r.u64()?))
+            } else {
+                None
+            };
             let n = r.u32()?;
             let mut subs = Vec::new();
             for _ in 0..n {
@@ -760,10 +826,12 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
             Item::KeptAsk {
                 client_id,
                 home,
-                again: again == 1,
+                again: ask & ASK_AGAIN != 0,
+                applied,
                 subs,
             }
         }
+        ITEM_APPLIED => Item::Applied(read_mark(r)?),
         ITEM_SESSION_MESSAGE | ITEM_KEPT_MESSAGE => {
             let client_id = client_id(r.bytes()?)?;
             let qos = r.u8()?;
@@ -791,6 +859,14 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
             }
         }
         tag => return Err(BatchError(format!("unknown batch item 0x{tag:02x}"))),
+    })
+}
+
+fn read_mark(r: &mut Reader<'_>) -> Result<Mark, BatchError> {
+    Ok(Mark {
+        node: r.u64()?,
+        epoch: r.u64()?,
+        seq: r.u64()?,
     })
 }
 
@@ -907,8 +983,27 @@ mod tests {
         w.kick("dev-1");
         let stamp = Stamp { clock: 5, node: 6 };
         w.claim("dev-2", stamp, true);
-        w.claim_answer("dev-2", stamp, &[(b"k".to_vec(), b"v".to_vec())], None);
-        w.claim_answer("dev-2", stamp, &[(b"k".to_vec(), b"v".to_vec())], Some(12));
+        w.claim_answer(
+            "dev-2",
+            stamp,
+            &[(b"k".to_vec(), b"v".to_vec())],
+            None,
+            None,
+        );
+        w.claim_answer(
+            "dev-2",
+            stamp,
+            &[(b"k".to_vec(), b"v".to_vec())],
+            Some(12),
+            None,
+        );
+        let mark = Mark {
+            node: 4,
+            epoch: 5,
+            seq: 6,
+        };
+        w.claim_answer("dev-2", stamp, &[], Some(13), Some(&[mark, mark]));
+        w.applied(mark);
         w.copy(3, stamp, b"k", Some(b"v"), None);
         w.copy(3, stamp, b"k", None, None);
         w.copy(3, stamp, b"k", Some(b"v"), Some(77));
@@ -931,7 +1026,8 @@ mod tests {
                 identifier: 0,
             },
         ];
-        w.kept_ask("dev-5", 99, true, &subs);
+        w.kept_ask("dev-5", 99, true, None, &subs);
+        w.kept_ask("dev-5", 99, false, Some((7, 8)), &subs);
         for kept in [false, true] {
             let mut item = Vec::new();
             encode_session_message("dev-5", 1, true, &[3, 4], &m, kept, &mut item);
@@ -977,14 +1073,24 @@ mod tests {
                     client_id: "dev-2",
                     stamp,
                     records: vec![(&b"k"[..], &b"v"[..])],
-                    copy_at: None
+                    copy_at: None,
+                    marks: vec![]
                 },
                 Item::ClaimAnswer {
                     client_id: "dev-2",
                     stamp,
                     records: vec![(&b"k"[..], &b"v"[..])],
-                    copy_at: Some(12)
+                    copy_at: Some(12),
+                    marks: vec![]
                 },
+                Item::ClaimAnswer {
+                    client_id: "dev-2",
+                    stamp,
+                    records: vec![],
+                    copy_at: Some(13),
+                    marks: vec![mark, mark]
+                },
+                Item::Applied(mark),
                 Item::Copy {
                     map: 3,
                     stamp,
@@ -1028,6 +1134,14 @@ mod tests {
                     client_id: "dev-5",
                     home: 99,
                     again: true,
+                    applied: None,
+                    subs: subs.to_vec()
+                },
+                Item::KeptAsk {
+                    client_id: "dev-5",
+                    home: 99,
+                    again: false,
+                    applied: Some((7, 8)),
                     subs: subs.to_vec()
                 },
                 Item::SessionMessage {
@@ -1132,7 +1246,7 @@ mod tests {
         let w = raw_batch(0, &items.buf);
         assert!(Batch::decode(&w.buf).unwrap().items().is_err());
         // A kept ask with a subscription of QoS 3, and one with unknown flags.
-        for (again, flags) in [(0u8, 3u8), (2, 1), (0, 0x81)] {
+        for (again, flags) in [(0u8, 3u8), (4, 1), (0, 0x81)] {
             let mut items = Writer::default();
             items
                 .u32(1)

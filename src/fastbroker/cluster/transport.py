@@ -66,7 +66,8 @@ MAGIC = "fastbroker-cluster"
 # operations and claim answers read from copies carry the home's moment (the claimant takes
 # the most current copy). Version 7: a node that installs a session of a dead home asks the
 # others for the messages they kept for that home (KeptAsk, answered with kept
-# SessionMessages).
+# SessionMessages), and a home tells the owners it copies to how far it applied each node's
+# batches (Applied; carried in answers read from copies).
 PROTOCOL_MIN = 2
 PROTOCOL_MAX = 7
 
