@@ -1048,6 +1048,17 @@ def test_sessions_of_a_killed_node_live_on_with_every_acknowledged_message_and_o
             c.disconnect()
 
 
+def offline_subscribers(node: Node, root: str, ids: list[str]) -> None:
+    """Persistent MQTT 5 sessions on `node` (300 s expiry), the i-th subscribed to
+    `root/i` at QoS 1, their clients gone."""
+    for i, cid in enumerate(ids):
+        props = {"SessionExpiryInterval": 300}
+        c = Client(endpoint(node), client_id=cid, version=5, clean=False, props=props)
+        c.connect()
+        c.subscribe(f"{root}/{i}", qos=1)
+        c.disconnect()
+
+
 def test_what_nodes_kept_for_a_dead_home_reaches_its_sessions_without_it_coming_back(
     tmp_path,
 ):
@@ -1064,11 +1075,7 @@ def test_what_nodes_kept_for_a_dead_home_reaches_its_sessions_without_it_coming_
         root = unique("keptfor")
         expiry = {"SessionExpiryInterval": 300}
         ids = [unique(f"kf{i}") for i in range(6)]
-        for i, cid in enumerate(ids):
-            c = Client(endpoint(n1), client_id=cid, version=5, clean=False, props=expiry)
-            c.connect()
-            c.subscribe(f"{root}/{i}", qos=1)
-            c.disconnect()
+        offline_subscribers(n1, root, ids)
         wait_rows(n2, "n1", 6)
         publisher = Client(endpoint(n2), client_id=unique("kfpub"), version=5)
         publisher.connect()
@@ -1130,11 +1137,7 @@ def test_a_joining_node_is_streamed_the_copies_it_owns_and_the_home_can_then_die
         root = unique("stream")
         clients = [unique(f"mover{i}") for i in range(12)]
         expiry = {"SessionExpiryInterval": 300}
-        for i, cid in enumerate(clients):
-            c = Client(endpoint(n1), client_id=cid, version=5, clean=False, props=expiry)
-            c.connect()
-            c.subscribe(f"{root}/{i}", qos=1)
-            c.disconnect()
+        offline_subscribers(n1, root, clients)
         wait_rows(n2, "n1", 12)
         publisher = Client(endpoint(n2), client_id=unique("spub"), version=5)
         publisher.connect()

@@ -1979,10 +1979,7 @@ fn messages_kept_for_a_dead_home_reach_the_session_where_it_lives_now_when_that_
         [Packet::PubAck(_)]
     ));
     // The client resumes on node 2 from node 1's copy; "w2" reaches it there at once.
-    let back = n.h[2].open_connect(persistent_v5("dev"));
-    settle_and_sync(&mut n, &mut disks);
-    serve_copy_loads(&mut n.h[1], &disks[1]);
-    settle_and_sync(&mut n, &mut disks);
+    let back = resume_from_copy_on_node1(&mut n, &mut disks, 2);
     assert!(connack(&n.h[2].recv_one(back)).session_present);
     n.h[2].publish(publisher, "cmd/dev", "w2", QoS::AtLeastOnce, false);
     settle_and_sync(&mut n, &mut disks);
@@ -2003,11 +2000,7 @@ fn messages_kept_for_a_dead_home_reach_the_session_where_it_lives_now_when_that_
 
 #[test]
 fn a_message_a_dead_home_stored_but_did_not_copy_reaches_the_session_where_it_lives_now() {
-    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 5_000);
-    protocol(&mut n, 6);
-    offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
-    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
-    settle_and_sync(&mut n, &mut disks);
+    let (mut n, mut disks, publisher) = dev_with_publisher_on_node2(6, 5_000);
     // Node 0 applies and stores "w1", but its copy to node 1 is lost as node 0 dies; node 2
     // acknowledges it (degraded) once node 0 is down.
     n.cut.push((0, 1));
@@ -2022,10 +2015,7 @@ fn a_message_a_dead_home_stored_but_did_not_copy_reaches_the_session_where_it_li
         [Packet::PubAck(_)]
     ));
     // The client resumes on node 2 from node 1's copy, which lacks "w1".
-    let back = n.h[2].open_connect(persistent_v5("dev"));
-    settle_and_sync(&mut n, &mut disks);
-    serve_copy_loads(&mut n.h[1], &disks[1]);
-    settle_and_sync(&mut n, &mut disks);
+    let back = resume_from_copy_on_node1(&mut n, &mut disks, 2);
     assert_resumed(&mut n, 2, back, &[]);
     // Node 0 comes back: its restored session gives way to node 2's and sends on what it
     // holds; node 2 takes the ids it has not seen ("w1").
@@ -2044,10 +2034,7 @@ fn a_home_back_long_after_its_session_moved_sends_on_nothing_it_held() {
     settle_and_sync(&mut n, &mut disks);
     n.cut_link(0, 1);
     n.cut_link(0, 2);
-    let back = n.h[2].open_connect(persistent_v5("dev"));
-    settle_and_sync(&mut n, &mut disks);
-    serve_copy_loads(&mut n.h[1], &disks[1]);
-    settle_and_sync(&mut n, &mut disks);
+    let back = resume_from_copy_on_node1(&mut n, &mut disks, 2);
     assert_resumed(&mut n, 2, back, &["m1"]);
     // A minute later node 2 no longer remembers m1's id: node 0, back with m1 still queued
     // in its restored session, must not send it on (it would arrive twice).
@@ -2124,13 +2111,34 @@ fn two_owners_copying_to_each_other_never_wait_on_each_other() {
     }
 }
 
+/// "dev" reconnects to node `i` while its home is dead: its claim is answered from node
+/// 1's copy (read back from its disk). The CONNECT's connection.
+fn resume_from_copy_on_node1(n: &mut Nodes, disks: &mut [Disk], i: usize) -> crate::broker::ConnId {
+    let back = n.h[i].open_connect(persistent_v5("dev"));
+    settle_and_sync(n, disks);
+    serve_copy_loads(&mut n.h[1], &disks[1]);
+    settle_and_sync(n, disks);
+    back
+}
+
+/// Node 0 homes "dev" (offline, QoS 1 on `cmd/#`, owners 0 and 1; inter-node protocol
+/// `version`); "pub" is connected to node 2.
+fn dev_with_publisher_on_node2(
+    version: u16,
+    takeover_ms: u64,
+) -> (Nodes, Vec<Disk>, crate::broker::ConnId) {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], takeover_ms);
+    protocol(&mut n, version);
+    offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    (n, disks, publisher)
+}
+
 /// Node 0 homes "dev" (offline, QoS 1 on `cmd/#`, owners 0 and 1) and dies; node 2
 /// publishes "k1" and "k2" for it meanwhile (kept for node 0, acknowledged degraded).
 fn dev_kept_for_dead_node0(takeover_ms: u64) -> (Nodes, Vec<Disk>, crate::broker::ConnId) {
-    let (mut n, mut disks) = copying_nodes(3, &[0, 1], takeover_ms);
-    protocol(&mut n, 7);
-    offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
-    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    let (mut n, mut disks, publisher) = dev_with_publisher_on_node2(7, takeover_ms);
     n.h[2].publish(publisher, "cmd/dev", "m0", QoS::AtLeastOnce, false);
     settle_and_sync(&mut n, &mut disks);
     n.cut_link(0, 1);
@@ -2151,10 +2159,7 @@ fn what_a_node_kept_for_a_dead_home_reaches_the_session_where_it_resumes() {
     let (mut n, mut disks, publisher) = dev_kept_for_dead_node0(0);
     // The client resumes on node 1 (which holds the copy): node 2 is asked for what it
     // kept for node 0.
-    let back = n.h[1].open_connect(persistent_v5("dev"));
-    settle_and_sync(&mut n, &mut disks);
-    serve_copy_loads(&mut n.h[1], &disks[1]);
-    settle_and_sync(&mut n, &mut disks);
+    let back = resume_from_copy_on_node1(&mut n, &mut disks, 1);
     let got = n.h[1].recv_one(back);
     assert!(connack(&got).session_present, "{got:?}");
     let mut want = vec!["m0", "k1", "k2"];
@@ -2183,10 +2188,7 @@ fn what_a_node_kept_for_a_dead_home_reaches_the_session_where_it_resumes() {
 fn what_the_resuming_node_kept_itself_for_the_dead_home_reaches_the_session() {
     let (mut n, mut disks, _) = dev_kept_for_dead_node0(0);
     // The client resumes on node 2, the publisher's node: its own queue for node 0.
-    let back = n.h[2].open_connect(persistent_v5("dev"));
-    settle_and_sync(&mut n, &mut disks);
-    serve_copy_loads(&mut n.h[1], &disks[1]);
-    settle_and_sync(&mut n, &mut disks);
+    let back = resume_from_copy_on_node1(&mut n, &mut disks, 2);
     assert_resumed(&mut n, 2, back, &["m0", "k1", "k2"]);
     assert_eq!(n.h[1].e.claim_stats().kept_handed, 0);
 }
@@ -2212,10 +2214,7 @@ fn a_session_an_owner_takes_over_gets_what_was_kept_for_its_dead_home() {
 fn a_peer_of_protocol_6_is_not_asked_for_kept_messages() {
     let (mut n, mut disks, _) = dev_kept_for_dead_node0(0);
     protocol(&mut n, 6);
-    let back = n.h[1].open_connect(persistent_v5("dev"));
-    settle_and_sync(&mut n, &mut disks);
-    serve_copy_loads(&mut n.h[1], &disks[1]);
-    settle_and_sync(&mut n, &mut disks);
+    let back = resume_from_copy_on_node1(&mut n, &mut disks, 1);
     // As before protocol 7: those wait for node 0.
     assert_resumed(&mut n, 1, back, &["m0"]);
     assert_eq!(n.h[2].e.claim_stats().kept_handed, 0);
@@ -2225,10 +2224,7 @@ fn a_peer_of_protocol_6_is_not_asked_for_kept_messages() {
 fn a_node_out_of_reach_at_the_takeover_is_asked_once_its_link_is_back() {
     let (mut n, mut disks, publisher) = dev_kept_for_dead_node0(0);
     n.cut_link(1, 2);
-    let back = n.h[1].open_connect(persistent_v5("dev"));
-    settle_and_sync(&mut n, &mut disks);
-    serve_copy_loads(&mut n.h[1], &disks[1]);
-    settle_and_sync(&mut n, &mut disks);
+    let back = resume_from_copy_on_node1(&mut n, &mut disks, 1);
     assert_resumed(&mut n, 1, back, &["m0"]);
     // Node 2 does not know yet that node 1 has the session: kept for node 0 only.
     n.h[2].publish(publisher, "cmd/dev", "k3", QoS::AtLeastOnce, false);
@@ -2291,11 +2287,7 @@ fn a_kept_ask_for_a_shared_filter_is_refused_and_one_for_a_live_or_unknown_home_
 
 #[test]
 fn a_batch_written_to_the_home_before_it_died_is_handed_on_unless_the_copy_says_it_was_applied() {
-    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
-    protocol(&mut n, 7);
-    offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
-    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
-    settle_and_sync(&mut n, &mut disks);
+    let (mut n, mut disks, publisher) = dev_with_publisher_on_node2(7, 0);
     // Node 0 applies "a1" (copied to node 1 with how far it applied node 2's batches), but
     // its acknowledgement to node 2 is lost; "w1" is written to node 0's link and lost
     // with it. Both batches stay kept on node 2, written. "k1" is made once node 0 is down.
@@ -2310,10 +2302,7 @@ fn a_batch_written_to_the_home_before_it_died_is_handed_on_unless_the_copy_says_
     n.cut_link(0, 2);
     n.h[2].publish(publisher, "cmd/dev", "k1", QoS::AtLeastOnce, false);
     settle_and_sync(&mut n, &mut disks);
-    let back = n.h[1].open_connect(persistent_v5("dev"));
-    settle_and_sync(&mut n, &mut disks);
-    serve_copy_loads(&mut n.h[1], &disks[1]);
-    settle_and_sync(&mut n, &mut disks);
+    let back = resume_from_copy_on_node1(&mut n, &mut disks, 1);
     // "a1" from the copy only (node 1's mark says node 0 applied its batch), "w1" and "k1"
     // from node 2.
     assert_resumed(&mut n, 1, back, &["a1", "w1", "k1"]);
@@ -2323,10 +2312,7 @@ fn a_batch_written_to_the_home_before_it_died_is_handed_on_unless_the_copy_says_
 #[test]
 fn a_home_back_hands_its_session_on_once_the_new_homes_link_is_up() {
     let (mut n, mut disks, _) = dev_kept_for_dead_node0(0);
-    let back = n.h[2].open_connect(persistent_v5("dev"));
-    settle_and_sync(&mut n, &mut disks);
-    serve_copy_loads(&mut n.h[1], &disks[1]);
-    settle_and_sync(&mut n, &mut disks);
+    let back = resume_from_copy_on_node1(&mut n, &mut disks, 2);
     assert_resumed(&mut n, 2, back, &["m0", "k1", "k2"]);
     // Node 0 is back, linked to node 1 only: node 1 tells it that the session lives on
     // node 2, whose protocol node 0 does not know yet (ids could not go with what it sends

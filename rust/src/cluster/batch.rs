@@ -1144,23 +1144,17 @@ mod tests {
                     applied: Some((7, 8)),
                     subs: subs.to_vec()
                 },
-                Item::SessionMessage {
-                    client_id: "dev-5",
-                    qos: 1,
-                    retain: true,
-                    sub_ids: vec![3, 4],
-                    message: message(b"t/1", b"hello"),
-                    kept: false
-                },
-                Item::SessionMessage {
-                    client_id: "dev-5",
-                    qos: 1,
-                    retain: true,
-                    sub_ids: vec![3, 4],
-                    message: message(b"t/1", b"hello"),
-                    kept: true
-                },
             ]
+            .into_iter()
+            .chain([false, true].map(|kept| Item::SessionMessage {
+                client_id: "dev-5",
+                qos: 1,
+                retain: true,
+                sub_ids: vec![3, 4],
+                message: message(b"t/1", b"hello"),
+                kept,
+            }))
+            .collect::<Vec<_>>()
         );
         assert!(w.is_empty());
     }
