@@ -1125,6 +1125,51 @@ def test_what_nodes_kept_for_a_dead_home_reaches_its_sessions_without_it_coming_
         publisher.disconnect()
 
 
+def test_a_node_cut_off_from_a_sessions_new_home_reaches_it_through_the_old_one(tmp_path):
+    """A persistent QoS 1 subscriber leaves n1 and resumes on n2 while n3 cannot reach n2
+    (its link blocked; the failure timeout is long enough that no one is removed). What n3
+    publishes goes to n1, the only home of the subscription n3 knows, and n1 relays it:
+    also past the 5 s a relay lasted before protocol 8, since n2 has not yet told n1 that
+    every node has its rows. Once n3's link to n2 is back, n3 sends to both for a moment
+    (n2 takes each message once), then n1's relay and its row end. Every acknowledged
+    message arrives once, in order."""
+    with Cluster(tmp_path, settings={"failure_timeout_ms": 30_000}) as cluster:
+        n1, n2, n3 = start_cluster(cluster, 3)
+        topic = unique("cutoff")
+        cid = unique("cutoffsub")
+        expiry = {"SessionExpiryInterval": 300}
+        first = Client(endpoint(n1), client_id=cid, version=5, clean=False, props=expiry)
+        first.connect()
+        first.subscribe(topic, qos=1)
+        first.disconnect()
+        wait_rows(n3, "n1", 1)
+        n3.block(["n2"])
+        wait_for(lambda: not links_up(n2, ["n3"]), 10, "n2's link to n3 down", n2, n3)
+        sub = Client(endpoint(n2), client_id=cid, version=5, clean=False, props=expiry)
+        assert sub.connect().session_present
+        publisher = Client(endpoint(n3), client_id=unique("cutoffpub"), version=5)
+        publisher.connect()
+        acked = stream(publisher, topic, 1, 10)
+        time.sleep(6)
+        acked += [f"{i}".encode() for i in range(10, 20)]
+        for payload in acked[10:]:
+            publisher.publish(topic, payload, qos=1, timeout=10.0)
+        n3.block([])
+        wait_for(lambda: links_up(n3, ["n2"]), 15, "n3's link to n2 back", n2, n3)
+        for i in range(20, 30):
+            publisher.publish(topic, f"{i}".encode(), qos=1, timeout=10.0)
+            acked.append(f"{i}".encode())
+        wait_for(lambda: plane(n3, "n1")["route_rows"] == 0, 15, "n1's relay ended", n1, n3)
+        for i in range(30, 40):
+            publisher.publish(topic, f"{i}".encode(), qos=1, timeout=10.0)
+            acked.append(f"{i}".encode())
+        got = [m.payload for m in sub.expect(len(acked), 15.0)]
+        got += [m.payload for m in sub.drain(0.5)]
+        assert got == acked
+        publisher.disconnect()
+        sub.disconnect()
+
+
 def test_a_joining_node_is_streamed_the_copies_it_owns_and_the_home_can_then_die(tmp_path):
     """n1 homes 12 offline persistent sessions with 40 QoS 1 messages queued for each
     (published and acknowledged on n2), copied to n2 (2 nodes, replication factor 2). n3

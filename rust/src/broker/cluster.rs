@@ -106,6 +106,9 @@ struct Outgoing {
     /// whether it has been asked for (`cluster_loads`).
     spilled: bool,
     loading: bool,
+    /// The version of our route rows the peer holds once it applied this batch (0: none
+    /// known, e.g. sealed while its link was down).
+    rows: u64,
 }
 
 struct Peer {
@@ -126,6 +129,11 @@ struct Peer {
     rows: HashSet<Arc<str>>,
     rows_epoch: u64,
     rows_version: u64,
+    /// The version of our rows queued for it since its link came up (0 before any), and
+    /// the one it is known to hold (an acknowledged batch had it; 0 after its link went
+    /// down): a session's old home relays for it until every peer holds its new rows.
+    rows_queued: u64,
+    rows_held: u64,
     /// Items for the next batch; `reliable` once one of them must not be lost.
     items: ItemWriter,
     item_messages: u64,
@@ -171,6 +179,8 @@ impl Peer {
             rows: HashSet::new(),
             rows_epoch: 0,
             rows_version: 0,
+            rows_queued: 0,
+            rows_held: 0,
             items: ItemWriter::default(),
             item_messages: 0,
             reliable: false,
@@ -266,6 +276,7 @@ impl Peer {
             stored: None,
             spilled: false,
             loading: false,
+            rows: self.rows_queued,
         });
         self.item_messages = 0;
         self.bound_queue();
@@ -340,6 +351,7 @@ impl Peer {
         {
             let o = self.out.pop_front().expect("checked");
             self.unacked_bytes -= o.len;
+            self.rows_held = self.rows_held.max(o.rows);
             done.extend(o.stored);
         }
         self.stats.unacked_bytes = self.unacked_bytes as u64;
@@ -693,6 +705,27 @@ impl Cluster {
         }
     }
 
+    /// The version of this node's route rows now.
+    pub(super) fn rows_now(&self) -> u64 {
+        self.route_version
+    }
+
+    /// Whether every peer is known to hold version `version` of our route rows (or a
+    /// later one).
+    pub(super) fn rows_held_everywhere(&self, version: u64) -> bool {
+        self.peers.iter().flatten().all(|p| p.rows_held >= version)
+    }
+
+    /// Tells peer `id` (protocol 8) that every node has our rows for `client_id`, which
+    /// came here from it.
+    pub(super) fn queue_relay_end(&mut self, id: PeerId, client_id: &str) {
+        if let Some(peer) = self.peer_mut(id).filter(|p| p.protocol >= 8) {
+            peer.items.relay_end(client_id);
+            peer.reliable = true;
+            self.has_output = true;
+        }
+    }
+
     /// Peer `id`'s key in messages' `also` lists.
     pub(super) fn peer_key(&self, id: PeerId) -> u64 {
         self.peers
@@ -791,6 +824,7 @@ impl Cluster {
         if let Some(peer) = self.peers.get_mut(usize::from(id)).and_then(Option::as_mut) {
             peer.items
                 .route_snapshot(version, filters.iter().map(|f| &**f));
+            peer.rows_queued = version;
             peer.reliable = true;
             self.has_output = true;
         }
@@ -808,6 +842,7 @@ impl Cluster {
             } else {
                 peer.items.route_remove(version, filter);
             }
+            peer.rows_queued = version;
             peer.reliable = true;
             any = true;
         });
@@ -998,6 +1033,7 @@ impl Engine {
             stored: Some(key),
             spilled: false,
             loading: false,
+            rows: 0,
         });
     }
 
@@ -1036,6 +1072,10 @@ impl Engine {
         if peer.up && !up {
             peer.down_since = now;
         }
+        if !up {
+            peer.rows_queued = 0;
+            peer.rows_held = 0;
+        }
         peer.up = up;
         peer.writable = true;
         peer.stats.retained_synced = false;
@@ -1048,6 +1088,8 @@ impl Engine {
                     o.sent = false;
                     peer.stats.resent += 1;
                 }
+                // The peer may have restarted since: its rows come with the snapshot.
+                o.rows = 0;
             }
             c.queue_snapshot(id);
             self.queue_retained_set(id, now);
@@ -1415,6 +1457,7 @@ impl Engine {
                 | Item::CopyCheck { .. }
                 | Item::Fence { .. }
                 | Item::Installed { .. }
+                | Item::RelayEnd { .. }
                 | Item::Applied(_)
                 | Item::Safe { .. } => {}
             }
@@ -1583,6 +1626,7 @@ impl Engine {
                     home,
                 } => self.fence_received(id, client_id, stamp, home, now),
                 Item::Installed { client_id } => self.installed_received(id, client_id),
+                Item::RelayEnd { client_id } => self.relay_end_received(id, client_id, now),
                 Item::Safe { epoch, seq } => {
                     let c = &mut self.cluster;
                     let own = c.epoch;

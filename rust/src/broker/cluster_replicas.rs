@@ -768,7 +768,7 @@ impl Engine {
         }
         self.cluster.seal_for(to);
         self.store_outgoing(to);
-        self.hand_over(sid, to, now);
+        self.hand_over(sid, to, false, now);
         self.event(
             "session_fenced",
             client,

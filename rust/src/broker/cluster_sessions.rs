@@ -18,8 +18,10 @@
 //!   at any point leaves them on one disk at least. An answer that finds no claim waiting
 //!   (the claimant restarted, or gave up) is installed as a disconnected session.
 //! - **The relay.** Route rows move with the session, and other nodes learn of it at
-//!   different moments. For `RELAY_MS` the old home keeps the session's subscriptions and
-//!   sends what still matches them to the new home (`SessionMessage`), except a message that
+//!   different moments. The old home keeps the session's subscriptions and sends what
+//!   still matches them to the new home (`SessionMessage`) until the new home says every
+//!   peer acknowledged its rows for the session (`RelayEnd`, protocol 8; then `RELAY_MS`
+//!   more, and `RELAY_MAX_MS` at most; the session remembers ids meanwhile), except a message that
 //!   the new home routed after it installed the session (its `Installed` marker comes first
 //!   on the link), or one it sent there itself after the hand-over (same link). A message
 //!   relayed to a node the session left again goes on along that node's relay.
@@ -34,8 +36,8 @@
 //!
 //! Copies of sessions on the partition's owners: `cluster_replicas`. Not yet (issue 16):
 //! claims go to every reachable node, not through the partition's primary; a node that
-//! cannot reach the new home for longer than `RELAY_MS` misses it with what it publishes
-//! meanwhile.
+//! cannot reach the new home for longer than `RELAY_MAX_MS` misses it with what it
+//! publishes meanwhile.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -53,9 +55,13 @@ use crate::codec::QoS;
 
 /// How long a claim waits for a peer whose link is up but that does not answer.
 const CLAIM_TIMEOUT_MS: u64 = 3_000;
-/// How long the old home relays a moved session's messages: far longer than route rows take
-/// to reach every node over links that are up.
+/// How long the old home relays a moved session's messages to a node of protocol 7 or
+/// less, and after the new home said every node has its rows (`RelayEnd`): far longer than
+/// route rows, or messages sent before them, take over links that are up.
 const RELAY_MS: u64 = 5_000;
+/// How long it relays at most to a node of protocol 8 that does not say so: a node that
+/// reaches the old home but not the new one sends there meanwhile.
+const RELAY_MAX_MS: u64 = 300_000;
 
 /// How long a session that moved here tells messages that reach it twice by their ids:
 /// the relay's time, and room for a relayed batch sent again after its link dropped.
@@ -84,6 +90,15 @@ struct Claim {
     best_copy: Option<CopyAnswer>,
 }
 
+/// A session that came here from a live home, which relays for it meanwhile.
+struct RelayRelease {
+    client_id: Arc<str>,
+    home: PeerId,
+    rows: u64,
+    /// When that home's relay ends anyway (`RELAY_MAX_MS`).
+    until: u64,
+}
+
 /// An answer to a claim read from an owner's copy.
 struct CopyAnswer {
     /// The home's moment the copy was current as of.
@@ -103,6 +118,9 @@ pub(super) struct Claims {
     /// Sessions handed over a moment ago: the peer they went to, and until when their
     /// subscriptions here relay to it.
     relays: HashMap<SessionId, (PeerId, u64)>,
+    /// Sessions a live home handed to this node: until every peer holds this node's route
+    /// rows as of `rows`, that home relays for them (and they remember message ids).
+    releases: Vec<RelayRelease>,
     /// The stamp of the claim each session here last won: an older claim that arrives late
     /// (sent again after a link came back) does not take it away.
     pub(super) won: HashMap<SessionId, Stamp>,
@@ -270,7 +288,7 @@ impl Engine {
                     self.end_session(sid, now);
                 } else {
                     records = self.session_records(sid, true, now);
-                    self.hand_over(sid, peer, now);
+                    self.hand_over(sid, peer, true, now);
                     self.claims.stats.sessions_out += 1;
                 }
             }
@@ -332,6 +350,21 @@ impl Engine {
                     );
                 }
             }
+        }
+        if !records.is_empty()
+            && copy.is_none()
+            && peer != THIS_NODE
+            && self.cluster.peer_protocol(peer) >= 8
+        {
+            // Its live home handed it over and relays for it until every node has our rows
+            // for it (installed above).
+            self.claims.releases.retain(|r| &*r.client_id != client_id);
+            self.claims.releases.push(RelayRelease {
+                client_id: Arc::from(client_id),
+                home: peer,
+                rows: self.cluster.rows_now(),
+                until: now + RELAY_MAX_MS,
+            });
         }
         let done = match self.claims.pending.get_mut(client_id) {
             Some(claim) if claim.stamp == stamp => {
@@ -587,6 +620,9 @@ impl Engine {
 
     /// Claims past their deadline go on without the missing answers; relays past theirs end.
     pub(super) fn claims_tick(&mut self, now: u64) {
+        if !self.claims.releases.is_empty() {
+            self.release_relays(now);
+        }
         if !self.claims.relays.is_empty() {
             let done: Vec<SessionId> = self
                 .claims
@@ -649,7 +685,7 @@ impl Engine {
         })
     }
 
-    pub(super) fn hand_over(&mut self, sid: SessionId, peer: PeerId, now: u64) {
+    pub(super) fn hand_over(&mut self, sid: SessionId, peer: PeerId, long: bool, now: u64) {
         // One relay per client id: the newest (an older one points back along its moves).
         let client = self.session(sid).map(|s| s.client_id.clone());
         if let Some(client) = client {
@@ -676,7 +712,53 @@ impl Engine {
         if self.by_client.get(&id) == Some(&sid) {
             self.by_client.remove(&id);
         }
-        self.claims.relays.insert(sid, (peer, now + RELAY_MS));
+        // A claimant of protocol 8 says when every node has its rows (`RelayEnd`).
+        let relay = if long && self.cluster.peer_protocol(peer) >= 8 {
+            RELAY_MAX_MS
+        } else {
+            RELAY_MS
+        };
+        self.claims.relays.insert(sid, (peer, now + relay));
+    }
+
+    /// Peer `peer`, which session `client_id` moved to from here, says every node has its
+    /// rows for it: the relay ends after what was sent before them had time to arrive.
+    pub(super) fn relay_end_received(&mut self, peer: PeerId, client_id: &str, now: u64) {
+        let end = now + RELAY_MS;
+        let Some(sid) = self.claims.relays.iter().find_map(|(&sid, &(to, _))| {
+            (to == peer
+                && self
+                    .session(sid)
+                    .is_some_and(|s| &*s.client_id == client_id))
+            .then_some(sid)
+        }) else {
+            return;
+        };
+        if let Some(relay) = self.claims.relays.get_mut(&sid) {
+            relay.1 = relay.1.min(end);
+        }
+    }
+
+    /// New homes of sessions that came from a live home tell it once every peer holds
+    /// their rows; until then the sessions remember the ids of what reaches them (the old
+    /// home relays what also came here).
+    fn release_relays(&mut self, now: u64) {
+        let releases = std::mem::take(&mut self.claims.releases);
+        for r in releases {
+            if self.cluster.rows_held_everywhere(r.rows) {
+                self.cluster.queue_relay_end(r.home, &r.client_id);
+                continue;
+            }
+            if now >= r.until {
+                continue;
+            }
+            if let Some(&sid) = self.by_client.get(&r.client_id) {
+                if let Some(recent) = self.session_mut(sid).and_then(|s| s.recent.as_mut()) {
+                    recent.until = recent.until.max(now + RECENT_MS);
+                }
+            }
+            self.claims.releases.push(r);
+        }
     }
 
     /// The relay of `sid` ends: its subscriptions go (and with them this node's route rows,

@@ -994,6 +994,74 @@ fn a_node_that_has_not_heard_of_the_move_reaches_the_session_through_the_relay()
     assert_eq!(n.h[0].e.claim_stats().relayed, 2);
 }
 
+#[test]
+fn the_old_home_relays_until_every_node_has_the_new_homes_rows() {
+    let mut n = Nodes::new(3);
+    let dev = n.h[0].connect("roamer", Protocol::V311, false);
+    n.h[0].subscribe(dev, "cmd/roamer", QoS::AtLeastOnce);
+    let publisher = n.h[2].connect("pub", Protocol::V5, true);
+    n.settle();
+    protocol(&mut n, 8);
+    // Node 2 does not hear from node 1 (its link looks up to both, frames are lost).
+    n.cut.push((1, 2));
+    let back = n.h[1].open_connect(super::tests::connect("roamer", Protocol::V311, false));
+    n.settle();
+    tick_after(&mut n, 1, 3_000);
+    assert!(connack(&n.h[1].recv_one(back)).session_present);
+    // Long after the relay's fixed 5 s of protocol 7, and past the 30 s the session would
+    // remember ids for: node 2 still reaches the session through node 0.
+    for i in 0..3 {
+        tick_after(&mut n, i, 40_000);
+    }
+    n.settle();
+    n.h[2].publish(publisher, "cmd/roamer", "q1", QoS::AtLeastOnce, false);
+    n.settle();
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["q1"]);
+    // Node 2 gets node 1's rows; node 1 tells node 0 at its next tick, and node 0 relays
+    // for a moment more: what node 2 sends meanwhile goes both ways and arrives once.
+    n.cut.clear();
+    n.cut_link(1, 2);
+    n.heal_link(1, 2);
+    assert_eq!(n.rows(2, 1), 1);
+    assert_eq!(n.rows(2, 0), 1);
+    tick_after(&mut n, 1, 100);
+    n.settle();
+    n.h[2].publish(publisher, "cmd/roamer", "q2", QoS::AtLeastOnce, false);
+    n.settle();
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["q2"]);
+    assert_eq!(n.h[0].e.claim_stats().relayed, 2);
+    // Then the relay ends and node 0's row goes.
+    tick_after(&mut n, 0, 5_000);
+    n.settle();
+    assert_eq!(n.rows(2, 0), 0);
+    n.h[2].publish(publisher, "cmd/roamer", "q3", QoS::AtLeastOnce, false);
+    n.settle();
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["q3"]);
+    assert_eq!(n.h[0].e.claim_stats().relayed, 2);
+}
+
+#[test]
+fn with_every_node_holding_the_new_homes_rows_the_relay_ends_within_moments() {
+    let mut n = Nodes::new(3);
+    let dev = n.h[0].connect("roamer", Protocol::V311, false);
+    n.h[0].subscribe(dev, "cmd/roamer", QoS::AtLeastOnce);
+    n.settle();
+    protocol(&mut n, 8);
+    let back = n.h[1].open_connect(super::tests::connect("roamer", Protocol::V311, false));
+    n.settle();
+    assert!(connack(&n.h[1].recv_one(back)).session_present);
+    assert_eq!(n.rows(2, 0), 1);
+    tick_after(&mut n, 1, 100);
+    n.settle();
+    tick_after(&mut n, 0, 4_999);
+    n.settle();
+    assert_eq!(n.rows(2, 0), 1);
+    tick_after(&mut n, 0, 1);
+    n.settle();
+    assert_eq!(n.rows(2, 0), 0);
+    assert_eq!(n.rows(2, 1), 1);
+}
+
 /// Node 0 holds "dev" (offline, QoS 2 on `cmd/#`), node 1 a plain subscriber of `cmd/#`,
 /// node 2 the publisher; protocol 5 (message ids). Node 2's links to `cut` are down.
 fn three_nodes_with_ids(cut: &[usize]) -> (Nodes, crate::broker::ConnId) {

@@ -63,6 +63,8 @@ const ITEM_KEPT_MESSAGE: u8 = 18;
 const ITEM_APPLIED: u8 = 19;
 /// A `CopyAnswer` with the home's `Applied` marks the copy holds (protocol 7).
 const ITEM_COPY_ANSWER_MARKED: u8 = 20;
+/// Protocol 8.
+const ITEM_RELAY_END: u8 = 21;
 /// `KeptAsk` flags.
 const ASK_AGAIN: u8 = 1;
 const ASK_APPLIED: u8 = 2;
@@ -255,6 +257,11 @@ pub enum Item<'a> {
     /// item it delivers to the session itself, so a node relaying for the session does not
     /// send those back; what it routed before, it did not.
     Installed {
+        client_id: &'a str,
+    },
+    /// Every node has the sender's route rows for session `client_id`, which moved to the
+    /// sender from the receiver (protocol 8): the receiver's relay for it may end.
+    RelayEnd {
         client_id: &'a str,
     },
     /// The sender applied the receiver's reliable batches of its incarnation `epoch` up to
@@ -461,6 +468,11 @@ impl ItemWriter {
 
     pub fn installed(&mut self, client_id: &str) {
         self.w.u8(ITEM_INSTALLED).bytes(client_id.as_bytes());
+        self.count += 1;
+    }
+
+    pub fn relay_end(&mut self, client_id: &str) {
+        self.w.u8(ITEM_RELAY_END).bytes(client_id.as_bytes());
         self.count += 1;
     }
 
@@ -791,6 +803,9 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
         ITEM_INSTALLED => Item::Installed {
             client_id: client_id(r.bytes()?)?,
         },
+        ITEM_RELAY_END => Item::RelayEnd {
+            client_id: client_id(r.bytes()?)?,
+        },
         ITEM_FENCE => Item::Fence {
             client_id: client_id(r.bytes()?)?,
             stamp: read_stamp(r)?,
@@ -1011,6 +1026,7 @@ mod tests {
         w.copy_check("dev-3", stamp);
         w.fence("dev-3", stamp, "n2");
         w.installed("dev-4");
+        w.relay_end("dev-4");
         w.safe(8, 9);
         let subs = [
             KeptSub {
@@ -1129,6 +1145,7 @@ mod tests {
                     home: "n2"
                 },
                 Item::Installed { client_id: "dev-4" },
+                Item::RelayEnd { client_id: "dev-4" },
                 Item::Safe { epoch: 8, seq: 9 },
                 Item::KeptAsk {
                     client_id: "dev-5",

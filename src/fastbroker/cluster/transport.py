@@ -67,9 +67,11 @@ MAGIC = "fastbroker-cluster"
 # the most current copy). Version 7: a node that installs a session of a dead home asks the
 # others for the messages they kept for that home (KeptAsk, answered with kept
 # SessionMessages), and a home tells the owners it copies to how far it applied each node's
-# batches (Applied; carried in answers read from copies).
+# batches (Applied; carried in answers read from copies). Version 8: a session's new home
+# tells its old home once every node has its route rows for it (RelayEnd), and the old home
+# relays until then rather than for a fixed 5 s.
 PROTOCOL_MIN = 2
-PROTOCOL_MAX = 7
+PROTOCOL_MAX = 8
 
 CONTROL = "control"
 DATA_CHANNEL = "data"
