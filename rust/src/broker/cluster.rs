@@ -726,6 +726,23 @@ impl Cluster {
         }
     }
 
+    /// Tells peer `id` (protocol 8), after the claim answer handing it `client_id`, what
+    /// the session got that other nodes kept for its dead home `home`.
+    pub(super) fn queue_kept_state(
+        &mut self,
+        id: PeerId,
+        client_id: &str,
+        home: u64,
+        marks: &[Mark],
+        ids: impl ExactSizeIterator<Item = u128>,
+    ) {
+        if let Some(peer) = self.peer_mut(id).filter(|p| p.protocol >= 8) {
+            peer.items.kept_state(client_id, home, marks, ids);
+            peer.reliable = true;
+            self.has_output = true;
+        }
+    }
+
     /// Peer `id`'s key in messages' `also` lists.
     pub(super) fn peer_key(&self, id: PeerId) -> u64 {
         self.peers
@@ -1458,6 +1475,7 @@ impl Engine {
                 | Item::Fence { .. }
                 | Item::Installed { .. }
                 | Item::RelayEnd { .. }
+                | Item::KeptState { .. }
                 | Item::Applied(_)
                 | Item::Safe { .. } => {}
             }
@@ -1627,6 +1645,12 @@ impl Engine {
                 } => self.fence_received(id, client_id, stamp, home, now),
                 Item::Installed { client_id } => self.installed_received(id, client_id),
                 Item::RelayEnd { client_id } => self.relay_end_received(id, client_id, now),
+                Item::KeptState {
+                    client_id,
+                    home,
+                    marks,
+                    ids,
+                } => self.kept_state_received(client_id, home, &marks, &ids, now),
                 Item::Safe { epoch, seq } => {
                     let c = &mut self.cluster;
                     let own = c.epoch;

@@ -15,7 +15,9 @@
 //! one). The answers are `SessionMessage`s marked kept. The session
 //! takes each id once, and remembers the kept ones until its old home has been back for
 //! `RECENT_MS`: a home that comes back gets the same messages from its queues and sends
-//! them on to the session (`give_up`).
+//! them on to the session (`give_up`). A session that moves on from here meanwhile takes
+//! the kept ids, the home and the marks with it (`KeptState`, protocol 8), and the next node
+//! asks every node again: some may have been out of this one's reach.
 //!
 //! Not yet: batches of a down peer past `cluster_outbox_memory` live only in the store and
 //! are not looked through (logged); marks are in the owners' memory only.
@@ -151,6 +153,49 @@ impl Engine {
 
     /// Session `sid` got kept message `id`: another copy of it (from its old home, back) is
     /// not delivered again.
+    /// What session `sid` got that other nodes kept for its dead home (that home's key,
+    /// the marks of the copy it was installed from, the ids), while it still matters: sent
+    /// on with the session when it moves (`KeptState`).
+    pub(super) fn kept_state(
+        &self,
+        sid: SessionId,
+        now: u64,
+    ) -> Option<(u64, Vec<Mark>, Vec<u128>)> {
+        let r = self.session(sid)?.recent.as_ref()?;
+        let over = r.kept_until != 0 && now >= r.kept_until;
+        (r.kept_from != 0 && !over).then(|| {
+            let ids = r.kept.iter().copied().collect();
+            (r.kept_from, r.kept_marks.clone(), ids)
+        })
+    }
+
+    /// Session `client_id` came here from a node that had installed it from a copy of the
+    /// dead node with key `home`, and got `ids` of what nodes kept for that home: it takes
+    /// those once, and asks every node again (some may have been out of that node's reach).
+    pub(super) fn kept_state_received(
+        &mut self,
+        client_id: &str,
+        home: u64,
+        marks: &[Mark],
+        ids: &[u128],
+        now: u64,
+    ) {
+        let Some(&sid) = self.by_client.get(client_id) else {
+            return;
+        };
+        if let Some(s) = self.session_mut(sid) {
+            let recent = s.recent.get_or_insert_with(Default::default);
+            recent.kept_from = home;
+            recent.kept_until = 0;
+            recent.kept_marks = marks.to_vec();
+            let room = KEPT_MAX.saturating_sub(recent.kept.len());
+            recent
+                .kept
+                .extend(ids.iter().copied().filter(|&id| id != 0).take(room));
+        }
+        self.ask_kept(sid, home, marks, now);
+    }
+
     pub(super) fn note_kept(&mut self, sid: SessionId, id: u128) {
         if id == 0 {
             return;

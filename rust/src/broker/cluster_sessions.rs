@@ -260,6 +260,7 @@ impl Engine {
         now: u64,
     ) {
         let mut records = Vec::new();
+        let mut kept = None;
         let sid = self.by_client.get(client_id).copied();
         if sid.is_none() && self.claim_from_copy(peer, client_id, stamp, discard, now) {
             // Its home is down: answered from the copy here once read back.
@@ -288,6 +289,7 @@ impl Engine {
                     self.end_session(sid, now);
                 } else {
                     records = self.session_records(sid, true, now);
+                    kept = self.kept_state(sid, now);
                     self.hand_over(sid, peer, true, now);
                     self.claims.stats.sessions_out += 1;
                 }
@@ -295,6 +297,10 @@ impl Engine {
         }
         self.cluster
             .queue_claim_answer(peer, client_id, stamp, &records, None, &[]);
+        if let Some((home, marks, ids)) = kept {
+            self.cluster
+                .queue_kept_state(peer, client_id, home, &marks, ids.into_iter());
+        }
         if !records.is_empty() {
             // Kept on disk in the same write that deletes the session's own records: it is
             // on one disk or the other whatever crashes.

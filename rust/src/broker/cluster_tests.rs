@@ -2309,6 +2309,54 @@ fn a_node_out_of_reach_at_the_takeover_is_asked_once_its_link_is_back() {
 }
 
 #[test]
+fn a_session_that_moves_on_while_its_dead_home_is_down_takes_what_was_kept_for_it_once() {
+    // Node 0 homes "dev" (owners 0 and 1) and dies; node 1 keeps "j1" for it, node 2 "k1".
+    let (mut n, mut disks) = copying_nodes(4, &[0, 1], 0);
+    protocol(&mut n, 8);
+    offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
+    let pub1 = connect_on(&mut n, 1, super::tests::connect("pub1", Protocol::V5, true));
+    let pub2 = connect_on(&mut n, 2, super::tests::connect("pub2", Protocol::V5, true));
+    n.h[2].publish(pub2, "cmd/dev", "m0", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    for j in 1..4 {
+        n.cut_link(0, j);
+    }
+    n.h[1].publish(pub1, "cmd/dev", "j1", QoS::AtLeastOnce, false);
+    n.h[2].publish(pub2, "cmd/dev", "k1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    // The client resumes on node 1 while node 2 is out of its reach: m0, and j1 from node
+    // 1's own queue (acknowledged by the client).
+    n.cut_link(1, 2);
+    let back = resume_from_copy_on_node1(&mut n, &mut disks, 1);
+    let got = n.h[1].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), ["m0", "j1"]);
+    for p in publishes(&got) {
+        let ack = crate::codec::Ack {
+            pkid: p.pkid,
+            reason_code: 0,
+            properties: None,
+        };
+        n.h[1].send(back, Packet::PubAck(ack));
+    }
+    settle_and_sync(&mut n, &mut disks);
+    // It moves on to node 3 at once: node 3 asks node 2 (k1), and node 1's queue still
+    // holds j1 for node 0, which the session does not take again.
+    let now = n.h[1].now;
+    n.h[1].e.closed(back, now);
+    settle_and_sync(&mut n, &mut disks);
+    let moved = n.h[3].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 3, moved, &["k1"]);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[3].recv_one(moved)), Vec::<String>::new());
+    // Node 2's link to node 1 comes back: nothing arrives twice.
+    n.heal_link(1, 2);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[3].recv_one(moved)), Vec::<String>::new());
+}
+
+#[test]
 fn a_kept_ask_for_a_shared_filter_is_refused_and_one_for_a_live_or_unknown_home_gets_nothing() {
     let (mut n, mut disks, _) = dev_kept_for_dead_node0(0);
     let ask = |home: u64, filter: &str, seq: u64| {

@@ -65,6 +65,7 @@ const ITEM_APPLIED: u8 = 19;
 const ITEM_COPY_ANSWER_MARKED: u8 = 20;
 /// Protocol 8.
 const ITEM_RELAY_END: u8 = 21;
+const ITEM_KEPT_STATE: u8 = 22;
 /// `KeptAsk` flags.
 const ASK_AGAIN: u8 = 1;
 const ASK_APPLIED: u8 = 2;
@@ -263,6 +264,18 @@ pub enum Item<'a> {
     /// sender from the receiver (protocol 8): the receiver's relay for it may end.
     RelayEnd {
         client_id: &'a str,
+    },
+    /// Sent after the `ClaimAnswer` that hands session `client_id` over, if the session was
+    /// installed on the sender from a copy of a home that is still down or back only a
+    /// moment ago (node key `home`; protocol 8): the marks of that copy and the ids of the
+    /// messages other nodes kept for the home that reached the session. The receiver asks
+    /// the nodes again (some may have been out of the sender's reach) and takes each of
+    /// those ids once.
+    KeptState {
+        client_id: &'a str,
+        home: u64,
+        marks: Vec<Mark>,
+        ids: Vec<u128>,
     },
     /// The sender applied the receiver's reliable batches of its incarnation `epoch` up to
     /// `seq` and its copies of what they stored are acknowledged (the header's acknowledgement
@@ -473,6 +486,28 @@ impl ItemWriter {
 
     pub fn relay_end(&mut self, client_id: &str) {
         self.w.u8(ITEM_RELAY_END).bytes(client_id.as_bytes());
+        self.count += 1;
+    }
+
+    pub fn kept_state(
+        &mut self,
+        client_id: &str,
+        home: u64,
+        marks: &[Mark],
+        ids: impl ExactSizeIterator<Item = u128>,
+    ) {
+        self.w
+            .u8(ITEM_KEPT_STATE)
+            .bytes(client_id.as_bytes())
+            .u64(home)
+            .u32(marks.len() as u32);
+        for m in marks {
+            self.w.u64(m.node).u64(m.epoch).u64(m.seq);
+        }
+        self.w.u32(ids.len() as u32);
+        for id in ids {
+            self.w.u64((id >> 64) as u64).u64(id as u64);
+        }
         self.count += 1;
     }
 
@@ -806,6 +841,27 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
         ITEM_RELAY_END => Item::RelayEnd {
             client_id: client_id(r.bytes()?)?,
         },
+        ITEM_KEPT_STATE => {
+            let client_id = client_id(r.bytes()?)?;
+            let home = r.u64()?;
+            let n = r.u32()?;
+            let mut marks = Vec::new();
+            for _ in 0..n {
+                marks.push(read_mark(r)?);
+            }
+            let n = r.u32()?;
+            let mut ids = Vec::new();
+            for _ in 0..n {
+                let high = r.u64()?;
+                ids.push(u128::from(high) << 64 | u128::from(r.u64()?));
+            }
+            Item::KeptState {
+                client_id,
+                home,
+                marks,
+                ids,
+            }
+        }
         ITEM_FENCE => Item::Fence {
             client_id: client_id(r.bytes()?)?,
             stamp: read_stamp(r)?,
@@ -1027,6 +1083,7 @@ mod tests {
         w.fence("dev-3", stamp, "n2");
         w.installed("dev-4");
         w.relay_end("dev-4");
+        w.kept_state("dev-4", 99, &[mark], [7u128 << 64 | 3, 1].into_iter());
         w.safe(8, 9);
         let subs = [
             KeptSub {
@@ -1146,6 +1203,12 @@ mod tests {
                 },
                 Item::Installed { client_id: "dev-4" },
                 Item::RelayEnd { client_id: "dev-4" },
+                Item::KeptState {
+                    client_id: "dev-4",
+                    home: 99,
+                    marks: vec![mark],
+                    ids: vec![7u128 << 64 | 3, 1]
+                },
                 Item::Safe { epoch: 8, seq: 9 },
                 Item::KeptAsk {
                     client_id: "dev-5",

@@ -69,7 +69,8 @@ MAGIC = "fastbroker-cluster"
 # SessionMessages), and a home tells the owners it copies to how far it applied each node's
 # batches (Applied; carried in answers read from copies). Version 8: a session's new home
 # tells its old home once every node has its route rows for it (RelayEnd), and the old home
-# relays until then rather than for a fixed 5 s.
+# relays until then rather than for a fixed 5 s; a session installed from a dead home's
+# copy that moves on carries what was kept for that home with it (KeptState).
 PROTOCOL_MIN = 2
 PROTOCOL_MAX = 8
 
