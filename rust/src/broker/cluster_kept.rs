@@ -12,7 +12,7 @@
 //! been applied there: the home tells the owners it copies to how far it applied each
 //! node's batches (`Applied`, after the copies they made), a claim answer read from a copy
 //! carries those marks, and only a written batch past its mark is handed on (none without
-//! one). The answers are `SessionMessage`s marked kept. The session
+//! one; owners keep the marks in their store too). The answers are `SessionMessage`s marked kept. The session
 //! takes each id once, and remembers the kept ones until its old home has been back for
 //! `RECENT_MS`: a home that comes back gets the same messages from its queues and sends
 //! them on to the session (`give_up`). A session that moves on from here meanwhile takes
@@ -20,7 +20,7 @@
 //! asks every node again: some may have been out of this one's reach.
 //!
 //! Not yet: batches of a down peer past `cluster_outbox_memory` live only in the store and
-//! are not looked through (logged); marks are in the owners' memory only.
+//! are not looked through (logged).
 
 use std::sync::Arc;
 

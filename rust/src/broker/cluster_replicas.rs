@@ -1149,16 +1149,41 @@ impl Engine {
         }
     }
 
-    /// Peer `peer` (a home this node holds copies of) applied `mark`.
+    /// Peer `peer` (a home this node holds copies of) applied `mark`: kept in the store
+    /// too, in the write of the copies its batch made (an owner that restarts still knows
+    /// how far a home that died meanwhile got).
     pub(super) fn applied_received(&mut self, peer: PeerId, mark: Mark) {
         let home = self.cluster.peer_key(peer);
+        if let Some(m) = self.restore_mark(home, mark) {
+            if self.cfg.durable {
+                let key = records::mark_key(home, m.node);
+                let body = records::encode_mark(m.epoch, m.seq);
+                let value = envelope::seal(&key, &body, self.cfg.compress_above);
+                self.store_ops.push((key, Some(value)));
+            }
+        }
+    }
+
+    /// Takes `mark` of the home with key `home` (from a peer, or read back from the store):
+    /// the mark as it stands now, if it changed.
+    pub(super) fn restore_mark(&mut self, home: u64, mark: Mark) -> Option<Mark> {
         let marks = self.replicas.marks.entry(home).or_default();
         match marks.iter().position(|m| m.node == mark.node) {
-            Some(i) if marks[i].epoch == mark.epoch => marks[i].seq = marks[i].seq.max(mark.seq),
-            Some(i) => marks[i] = mark,
+            Some(i) if marks[i].epoch == mark.epoch && marks[i].seq >= mark.seq => None,
+            Some(i) if marks[i].epoch == mark.epoch => {
+                marks[i].seq = mark.seq;
+                Some(marks[i])
+            }
+            Some(i) => {
+                marks[i] = mark;
+                Some(mark)
+            }
             // One per node of the cluster at most.
-            None if marks.len() < 1024 => marks.push(mark),
-            None => {}
+            None if marks.len() < 1024 => {
+                marks.push(mark);
+                Some(mark)
+            }
+            None => None,
         }
     }
 

@@ -2403,7 +2403,43 @@ fn a_kept_ask_for_a_shared_filter_is_refused_and_one_for_a_live_or_unknown_home_
 
 #[test]
 fn a_batch_written_to_the_home_before_it_died_is_handed_on_unless_the_copy_says_it_was_applied() {
-    let (mut n, mut disks, publisher) = dev_with_publisher_on_node2(7, 0);
+    written_batches_after_the_home_died(false);
+}
+
+#[test]
+fn an_owner_that_restarts_after_the_home_died_still_knows_how_far_it_applied() {
+    written_batches_after_the_home_died(true);
+}
+
+/// Node 1 (the owner holding the copy) starts again from its disk with a new incarnation,
+/// its links to the nodes not cut coming back.
+fn node1_restarts(n: &mut Nodes, disk: &Disk, epoch: u64, version: u16) {
+    for j in [0, 2] {
+        let p = n.peer[j][1];
+        n.h[j].e.cluster_link(p, false);
+    }
+    let now = n.h[1].now + 1_000;
+    let cfg = Config {
+        cluster_takeover_ms: 0,
+        ..durable()
+    };
+    let (mut h1, _) = restart_with(disk, now, cfg);
+    h1.e.set_wall_clock(now, now);
+    h1.e.cluster_start(epoch, "node1");
+    for j in [0, 2] {
+        n.peer[1][j] = h1.e.cluster_add_peer(&format!("node{j}"));
+    }
+    n.h[1] = h1;
+    protocol(n, version);
+    set_map(n, 1, &[0, 1], 1);
+    if !n.cut.contains(&(1, 2)) {
+        n.cut.push((1, 2));
+    }
+    n.heal_link(1, 2);
+}
+
+fn written_batches_after_the_home_died(owner_restarts: bool) {
+    let (mut n, mut disks, publisher) = dev_with_publisher_on_node2(8, 0);
     // Node 0 applies "a1" (copied to node 1 with how far it applied node 2's batches), but
     // its acknowledgement to node 2 is lost; "w1" is written to node 0's link and lost
     // with it. Both batches stay kept on node 2, written. "k1" is made once node 0 is down.
@@ -2418,6 +2454,10 @@ fn a_batch_written_to_the_home_before_it_died_is_handed_on_unless_the_copy_says_
     n.cut_link(0, 2);
     n.h[2].publish(publisher, "cmd/dev", "k1", QoS::AtLeastOnce, false);
     settle_and_sync(&mut n, &mut disks);
+    if owner_restarts {
+        node1_restarts(&mut n, &disks[1], 333, 8);
+        settle_and_sync(&mut n, &mut disks);
+    }
     let back = resume_from_copy_on_node1(&mut n, &mut disks, 1);
     // "a1" from the copy only (node 1's mark says node 0 applied its batch), "w1" and "k1"
     // from node 2.

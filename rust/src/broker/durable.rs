@@ -19,7 +19,7 @@ use bytes::Bytes;
 
 use super::state::{AwaitingAck, Delivery, Inflight, Message, Session, SessionId, BROKER_ORIGIN};
 use super::{ConnId, Engine};
-use crate::cluster::batch::Stamp;
+use crate::cluster::batch::{Mark, Stamp};
 use crate::codec::QoS;
 use crate::store::envelope;
 use crate::store::records::{self, Key, StoredMessage, StoredRetained, StoredSession};
@@ -463,9 +463,16 @@ impl Engine {
             self.restore_outgoing(&peer, epoch, seq, key.to_vec(), body.to_vec());
             return Ok(());
         }
+        if let Key::Mark { home, node } = parsed {
+            let (epoch, seq) = records::decode_mark(&body).map_err(|e| e.to_string())?;
+            self.restore_mark(home, Mark { node, epoch, seq });
+            return Ok(());
+        }
         let r = self.restoring.get_or_insert_with(Box::default);
         match parsed {
-            Key::Outbox { .. } | Key::Copy(..) => unreachable!("handled above"),
+            Key::Outbox { .. } | Key::Copy(..) | Key::Mark { .. } => {
+                unreachable!("handled above")
+            }
             Key::Session(id) => {
                 let s = StoredSession::decode(&body).map_err(|e| e.to_string())?;
                 r.sessions.insert(id, s);

@@ -14,6 +14,7 @@
 //! | `o` | peer node, start u64, epoch u64, seq u64 | a data batch for a peer node whose link is down, kept until it acknowledges it (the frame as sent) |
 //! | `c` | client, then a key above of that client (`s`, `m`, `f`, `q`) | a copy of another node's session record, as sealed there (with its own key) |
 //! | `c` | client, nothing after | the copy's home node and version (`CopyMeta`) |
+//! | `a` | home node key u64, node key u64 | how far that home of copies held here applied that node's batches: its incarnation u64 and batch u64 (`Mark`) |
 
 use bytes::Bytes;
 
@@ -29,6 +30,7 @@ pub const INBOUND: u8 = b'q';
 pub const RETAINED: u8 = b'r';
 pub const OUTBOX: u8 = b'o';
 pub const COPY: u8 = b'c';
+pub const MARK: u8 = b'a';
 
 fn client_prefix(kind: u8, client_id: &str, extra: usize) -> Vec<u8> {
     let id = client_id.as_bytes();
@@ -87,6 +89,30 @@ pub fn copy_key(client_id: &str, inner: &[u8]) -> Vec<u8> {
     k
 }
 
+/// How far the home with node key `home` applied the batches of the node with key `node`
+/// (an `Applied` mark kept by an owner of copies of that home's sessions).
+pub fn mark_key(home: u64, node: u64) -> Vec<u8> {
+    let mut k = Vec::with_capacity(17);
+    k.push(MARK);
+    k.extend_from_slice(&home.to_be_bytes());
+    k.extend_from_slice(&node.to_be_bytes());
+    k
+}
+
+pub fn encode_mark(epoch: u64, seq: u64) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.u64(epoch).u64(seq);
+    w.buf
+}
+
+pub fn decode_mark(body: &[u8]) -> Result<(u64, u64), BodyError> {
+    let mut r = Reader::new(body);
+    let epoch = r.u64()?;
+    let seq = r.u64()?;
+    r.finish()?;
+    Ok((epoch, seq))
+}
+
 /// The client id of a session-kind key (`s`, `m`, `f`, `q`), without allocating: the unit
 /// that is copied to replicas.
 pub fn session_client(key: &[u8]) -> Option<&str> {
@@ -114,12 +140,23 @@ pub enum Key {
     },
     /// A copy of `inner` (a session record of `client`) or, with `inner` empty, its meta.
     Copy(String, Vec<u8>),
+    /// An `Applied` mark of the home with key `home` for the node with key `node`.
+    Mark {
+        home: u64,
+        node: u64,
+    },
 }
 
 pub fn parse_key(key: &[u8]) -> Option<Key> {
     let (&kind, rest) = key.split_first()?;
     if kind == RETAINED {
         return Some(Key::Retained(Bytes::copy_from_slice(rest)));
+    }
+    if kind == MARK {
+        return (rest.len() == 16).then(|| Key::Mark {
+            home: u64::from_be_bytes(rest[..8].try_into().expect("16 bytes")),
+            node: u64::from_be_bytes(rest[8..].try_into().expect("16 bytes")),
+        });
     }
     if rest.len() < 2 {
         return None;
@@ -495,6 +532,14 @@ mod tests {
         // client's range is another's.
         assert!(message_key("a", u64::MAX) < message_key("ab", 0));
         assert!(message_key("a", 1) < message_key("a", 256));
+        assert_eq!(
+            parse_key(&mark_key(3, u64::MAX)),
+            Some(Key::Mark {
+                home: 3,
+                node: u64::MAX
+            })
+        );
+        assert_eq!(parse_key(&mark_key(3, 4)[..16]), None);
         assert_eq!(parse_key(b""), None);
         assert_eq!(parse_key(b"m\x00\x05ab"), None);
         assert_eq!(parse_key(b"x\x00\x00"), None);
@@ -596,5 +641,11 @@ mod tests {
         }
         assert_eq!(decode_flight(&encode_flight(5, 3)), Ok((5, 3)));
         assert!(decode_flight(&encode_flight(0, 1)).is_err());
+        let mark = encode_mark(7, u64::MAX);
+        assert_eq!(decode_mark(&mark), Ok((7, u64::MAX)));
+        for len in 0..mark.len() {
+            assert!(decode_mark(&mark[..len]).is_err());
+        }
+        assert!(decode_mark(&[mark.clone(), vec![0]].concat()).is_err());
     }
 }
