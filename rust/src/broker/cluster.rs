@@ -710,10 +710,10 @@ impl Cluster {
         self.route_version
     }
 
-    /// Whether every peer is known to hold version `version` of our route rows (or a
-    /// later one).
-    pub(super) fn rows_held_everywhere(&self, version: u64) -> bool {
-        self.peers.iter().flatten().all(|p| p.rows_held >= version)
+    /// The version of our route rows every peer is known to hold (or a later one).
+    pub(super) fn rows_held_by_all(&self) -> u64 {
+        let held = self.peers.iter().flatten().map(|p| p.rows_held).min();
+        held.unwrap_or(self.route_version)
     }
 
     /// Tells peer `id` (protocol 8) that every node has our rows for `client_id`, which
@@ -1650,7 +1650,7 @@ impl Engine {
                     home,
                     marks,
                     ids,
-                } => self.kept_state_received(client_id, home, &marks, &ids, now),
+                } => self.kept_state_received(id, client_id, home, &marks, &ids, now),
                 Item::Safe { epoch, seq } => {
                     let c = &mut self.cluster;
                     let own = c.epoch;

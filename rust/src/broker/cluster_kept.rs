@@ -12,8 +12,8 @@
 //! been applied there: the home tells the owners it copies to how far it applied each
 //! node's batches (`Applied`, after the copies they made), a claim answer read from a copy
 //! carries those marks, and only a written batch past its mark is handed on (none without
-//! one; owners keep the marks in their store too). The answers are `SessionMessage`s marked kept. The session
-//! takes each id once, and remembers the kept ones until its old home has been back for
+//! one; owners keep the marks in their store too). The answers are `SessionMessage`s
+//! marked kept. The session takes each id once, and remembers the kept ones until its old home has been back for
 //! `RECENT_MS`: a home that comes back gets the same messages from its queues and sends
 //! them on to the session (`give_up`). A session that moves on from here meanwhile takes
 //! the kept ids, the home and the marks with it (`KeptState`, protocol 8), and the next node
@@ -151,8 +151,6 @@ impl Engine {
         }
     }
 
-    /// Session `sid` got kept message `id`: another copy of it (from its old home, back) is
-    /// not delivered again.
     /// What session `sid` got that other nodes kept for its dead home (that home's key,
     /// the marks of the copy it was installed from, the ids), while it still matters: sent
     /// on with the session when it moves (`KeptState`).
@@ -169,17 +167,27 @@ impl Engine {
         })
     }
 
-    /// Session `client_id` came here from a node that had installed it from a copy of the
-    /// dead node with key `home`, and got `ids` of what nodes kept for that home: it takes
-    /// those once, and asks every node again (some may have been out of that node's reach).
+    /// Session `client_id` came here from `peer`, which had installed it from a copy of
+    /// the dead node with key `home`, and got `ids` of what nodes kept for that home: it
+    /// takes those once, and asks every node again (some may have been out of `peer`'s
+    /// reach). Only right after `peer` handed the session here.
     pub(super) fn kept_state_received(
         &mut self,
+        peer: PeerId,
         client_id: &str,
         home: u64,
         marks: &[Mark],
         ids: &[u128],
         now: u64,
     ) {
+        if !self.came_from(peer, client_id) {
+            self.event(
+                "kept_state_refused",
+                Arc::from(client_id),
+                "kept state for a session the peer did not hand over".into(),
+            );
+            return;
+        }
         let Some(&sid) = self.by_client.get(client_id) else {
             return;
         };
@@ -196,6 +204,8 @@ impl Engine {
         self.ask_kept(sid, home, marks, now);
     }
 
+    /// Session `sid` got kept message `id`: another copy of it (from its old home, back) is
+    /// not delivered again.
     pub(super) fn note_kept(&mut self, sid: SessionId, id: u128) {
         if id == 0 {
             return;

@@ -679,9 +679,6 @@ impl Engine {
         self.claims.stats
     }
 
-    /// Session `sid` went to `peer` (its records in the batch being written): its records
-    /// here go, its state is empty, its client id is free here, and its subscriptions relay
-    /// to `peer` for `RELAY_MS`. No will: it lives on there.
     /// Where this node relays `client_id`'s messages to, if anywhere.
     fn relay_of(&self, client_id: &str) -> Option<PeerId> {
         self.claims.relays.iter().find_map(|(&sid, &(peer, _))| {
@@ -691,6 +688,10 @@ impl Engine {
         })
     }
 
+    /// Session `sid` went to `peer` (its records in the batch being written): its records
+    /// here go, its state is empty, its client id is free here, and its subscriptions relay
+    /// to `peer`: for `RELAY_MS`, or (`long`: `peer` claimed it, and speaks protocol 8)
+    /// until `peer` says every node has its rows. No will: it lives on there.
     pub(super) fn hand_over(&mut self, sid: SessionId, peer: PeerId, long: bool, now: u64) {
         // One relay per client id: the newest (an older one points back along its moves).
         let client = self.session(sid).map(|s| s.client_id.clone());
@@ -727,6 +728,15 @@ impl Engine {
         self.claims.relays.insert(sid, (peer, now + relay));
     }
 
+    /// Whether session `client_id` came here from `peer` (handed over by it while it lived
+    /// there, and that peer still relays for it).
+    pub(super) fn came_from(&self, peer: PeerId, client_id: &str) -> bool {
+        let releases = &self.claims.releases;
+        releases
+            .iter()
+            .any(|r| r.home == peer && &*r.client_id == client_id)
+    }
+
     /// Peer `peer`, which session `client_id` moved to from here, says every node has its
     /// rows for it: the relay ends after what was sent before them had time to arrive.
     pub(super) fn relay_end_received(&mut self, peer: PeerId, client_id: &str, now: u64) {
@@ -749,9 +759,10 @@ impl Engine {
     /// their rows; until then the sessions remember the ids of what reaches them (the old
     /// home relays what also came here).
     fn release_relays(&mut self, now: u64) {
+        let held = self.cluster.rows_held_by_all();
         let releases = std::mem::take(&mut self.claims.releases);
         for r in releases {
-            if self.cluster.rows_held_everywhere(r.rows) {
+            if r.rows <= held {
                 self.cluster.queue_relay_end(r.home, &r.client_id);
                 continue;
             }

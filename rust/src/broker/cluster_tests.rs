@@ -2357,6 +2357,32 @@ fn a_session_that_moves_on_while_its_dead_home_is_down_takes_what_was_kept_for_i
 }
 
 #[test]
+fn kept_state_from_a_peer_that_did_not_hand_the_session_over_is_refused() {
+    let mut n = Nodes::new(2);
+    protocol(&mut n, 8);
+    let dev = connect_on(
+        &mut n,
+        1,
+        super::tests::connect("dev", Protocol::V311, false),
+    );
+    n.h[1].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    n.settle();
+    let mut w = batch::ItemWriter::default();
+    w.kept_state("dev", 99, &[], [5u128].into_iter());
+    let frame = w.finish(batch::Header {
+        epoch: 9,
+        seq: 1,
+        ..Default::default()
+    });
+    let p = n.peer[1][0];
+    let now = n.h[1].now;
+    n.h[1].e.cluster_feed(p, &body_of(&frame), now).unwrap();
+    let sid = n.h[1].e.by_client["dev"];
+    let recent = n.h[1].e.session(sid).unwrap().recent.as_ref();
+    assert!(recent.is_none_or(|r| r.kept_from == 0 && r.kept.is_empty()));
+}
+
+#[test]
 fn a_kept_ask_for_a_shared_filter_is_refused_and_one_for_a_live_or_unknown_home_gets_nothing() {
     let (mut n, mut disks, _) = dev_kept_for_dead_node0(0);
     let ask = |home: u64, filter: &str, seq: u64| {
