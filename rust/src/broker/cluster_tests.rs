@@ -959,23 +959,32 @@ fn a_persistent_session_follows_its_client_to_another_node() {
     assert_eq!(payloads(&n.h[1].recv_one(back)), ["m5"]);
 }
 
-#[test]
-fn a_node_that_has_not_heard_of_the_move_reaches_the_session_through_the_relay() {
+/// "roamer" (offline on node 0, `qos` on `cmd/roamer`) resumes on node 1 while node 2,
+/// the publisher's node, does not hear from node 1 (its link looks up to both, frames are
+/// lost): node 2 knows only node 0's row, and the claim goes on after its timeout. The
+/// nodes speak protocol `version`; (publisher, the resumed connection).
+fn roamer_resumes_on_node1_unheard_by_node2(
+    version: u16,
+    qos: QoS,
+) -> (Nodes, crate::broker::ConnId, crate::broker::ConnId) {
     let mut n = Nodes::new(3);
     let dev = n.h[0].connect("roamer", Protocol::V311, false);
-    n.h[0].subscribe(dev, "cmd/roamer", QoS::ExactlyOnce);
+    n.h[0].subscribe(dev, "cmd/roamer", qos);
     let publisher = n.h[2].connect("pub", Protocol::V5, true);
     n.settle();
-    protocol3(&mut n);
-    // Node 2 does not hear from node 1 for now: it knows only node 0's row.
+    protocol(&mut n, version);
     n.cut.push((1, 2));
     let back = n.h[1].open_connect(super::tests::connect("roamer", Protocol::V311, false));
     n.settle();
-    // Node 2 cannot answer the claim either: it goes on after its timeout.
-    let later = n.h[1].now + 3_000;
-    n.h[1].e.tick(later);
+    tick_after(&mut n, 1, 3_000);
     assert!(connack(&n.h[1].recv_one(back)).session_present);
     assert_eq!(n.rows(2, 1), 0);
+    (n, publisher, back)
+}
+
+#[test]
+fn a_node_that_has_not_heard_of_the_move_reaches_the_session_through_the_relay() {
+    let (mut n, publisher, back) = roamer_resumes_on_node1_unheard_by_node2(3, QoS::ExactlyOnce);
     // (One QoS 2 publish: the harness gives every publish the same packet id.)
     n.h[2].publish(publisher, "cmd/roamer", "q1", QoS::ExactlyOnce, false);
     n.h[2].publish(publisher, "cmd/roamer", "q2", QoS::AtLeastOnce, false);
@@ -996,18 +1005,7 @@ fn a_node_that_has_not_heard_of_the_move_reaches_the_session_through_the_relay()
 
 #[test]
 fn the_old_home_relays_until_every_node_has_the_new_homes_rows() {
-    let mut n = Nodes::new(3);
-    let dev = n.h[0].connect("roamer", Protocol::V311, false);
-    n.h[0].subscribe(dev, "cmd/roamer", QoS::AtLeastOnce);
-    let publisher = n.h[2].connect("pub", Protocol::V5, true);
-    n.settle();
-    protocol(&mut n, 8);
-    // Node 2 does not hear from node 1 (its link looks up to both, frames are lost).
-    n.cut.push((1, 2));
-    let back = n.h[1].open_connect(super::tests::connect("roamer", Protocol::V311, false));
-    n.settle();
-    tick_after(&mut n, 1, 3_000);
-    assert!(connack(&n.h[1].recv_one(back)).session_present);
+    let (mut n, publisher, back) = roamer_resumes_on_node1_unheard_by_node2(8, QoS::AtLeastOnce);
     // Long after the relay's fixed 5 s of protocol 7, and past the 30 s the session would
     // remember ids for: node 2 still reaches the session through node 0.
     for i in 0..3 {
