@@ -520,13 +520,18 @@ impl Cluster {
         spilled
     }
 
-    /// Tells peer `id` (an owner this node copied to) that it applied `mark`.
-    pub(super) fn queue_applied(&mut self, id: PeerId, mark: Mark) {
-        if let Some(peer) = self.peer_mut(id).filter(|p| p.protocol >= 7) {
-            peer.items.applied(mark);
+    /// An item that must not be lost, for peer `id` if it speaks protocol `min` or later.
+    fn queue_reliable(&mut self, id: PeerId, min: u16, write: impl FnOnce(&mut ItemWriter)) {
+        if let Some(peer) = self.peer_mut(id).filter(|p| p.protocol >= min) {
+            write(&mut peer.items);
             peer.reliable = true;
             self.has_output = true;
         }
+    }
+
+    /// Tells peer `id` (an owner this node copied to) that it applied `mark`.
+    pub(super) fn queue_applied(&mut self, id: PeerId, mark: Mark) {
+        self.queue_reliable(id, 7, |items| items.applied(mark));
     }
 
     /// Peers up that speak protocol `min` or later.
@@ -548,11 +553,9 @@ impl Cluster {
         applied: Option<(u64, u64)>,
         subs: &[batch::KeptSub<'_>],
     ) {
-        if let Some(peer) = self.peer_mut(id) {
-            peer.items.kept_ask(client_id, home, again, applied, subs);
-            peer.reliable = true;
-            self.has_output = true;
-        }
+        self.queue_reliable(id, 0, |items| {
+            items.kept_ask(client_id, home, again, applied, subs)
+        });
     }
 
     /// Whether peer `id`'s link has been up in this run (its protocol is known).
@@ -649,19 +652,11 @@ impl Cluster {
     }
 
     pub(super) fn queue_copy_check(&mut self, id: PeerId, client_id: &str, stamp: Stamp) {
-        if let Some(peer) = self.peer_mut(id).filter(|p| p.protocol >= 4) {
-            peer.items.copy_check(client_id, stamp);
-            peer.reliable = true;
-            self.has_output = true;
-        }
+        self.queue_reliable(id, 4, |items| items.copy_check(client_id, stamp));
     }
 
     pub(super) fn queue_fence(&mut self, id: PeerId, client_id: &str, stamp: Stamp, home: &str) {
-        if let Some(peer) = self.peer_mut(id).filter(|p| p.protocol >= 4) {
-            peer.items.fence(client_id, stamp, home);
-            peer.reliable = true;
-            self.has_output = true;
-        }
+        self.queue_reliable(id, 4, |items| items.fence(client_id, stamp, home));
     }
 
     /// Peers a claim of a client id goes to: those reachable that speak protocol 3.
@@ -678,11 +673,7 @@ impl Cluster {
     }
 
     pub(super) fn queue_claim(&mut self, id: PeerId, client_id: &str, stamp: Stamp, discard: bool) {
-        if let Some(peer) = self.peer_mut(id) {
-            peer.items.claim(client_id, stamp, discard);
-            peer.reliable = true;
-            self.has_output = true;
-        }
+        self.queue_reliable(id, 0, |items| items.claim(client_id, stamp, discard));
     }
 
     /// `copy_at`: answered from a copy current as of then (told to peers of protocol 6).
@@ -719,11 +710,7 @@ impl Cluster {
     /// Tells peer `id` (protocol 8) that every node has our rows for `client_id`, which
     /// came here from it.
     pub(super) fn queue_relay_end(&mut self, id: PeerId, client_id: &str) {
-        if let Some(peer) = self.peer_mut(id).filter(|p| p.protocol >= 8) {
-            peer.items.relay_end(client_id);
-            peer.reliable = true;
-            self.has_output = true;
-        }
+        self.queue_reliable(id, 8, |items| items.relay_end(client_id));
     }
 
     /// Tells peer `id` (protocol 8), after the claim answer handing it `client_id`, what
@@ -736,11 +723,7 @@ impl Cluster {
         marks: &[Mark],
         ids: impl ExactSizeIterator<Item = u128>,
     ) {
-        if let Some(peer) = self.peer_mut(id).filter(|p| p.protocol >= 8) {
-            peer.items.kept_state(client_id, home, marks, ids);
-            peer.reliable = true;
-            self.has_output = true;
-        }
+        self.queue_reliable(id, 8, |items| items.kept_state(client_id, home, marks, ids));
     }
 
     /// Peer `id`'s key in messages' `also` lists.
