@@ -115,7 +115,9 @@ def start_cluster(
     mqtt_settings: dict[str, Any] | None = None,
 ) -> Setup:
     """`nodes` nodes on 127.0.0.1, started at once, with these extra [cluster] `settings`
-    (and these [mqtt] `mqtt_settings`); returns once every data link is up."""
+    (and these [mqtt] `mqtt_settings`); returns once every data link is up and every node has
+    every node in its partition map with nothing streaming: a measurement made while the map
+    still forms would time copies streamed to the owners a partition just gained."""
     ports = [(bench.free_port(), bench.free_port(), bench.free_port()) for _ in range(nodes)]
     seed = f"{HOST}:{ports[0][1]}"
     procs, addrs, admins = [], [], []
@@ -152,22 +154,40 @@ def start_cluster(
             if time.monotonic() > deadline:
                 raise RuntimeError("the cluster's data links did not come up")
             time.sleep(0.2)
+        while not all(map_settled(admin, nodes) for admin in admins):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster's partition map did not settle")
+            time.sleep(0.2)
     except BaseException:
         setup.stop()
         raise
     return setup
 
 
-def links_up(admin_port: int, peers: int) -> bool:
+def cluster_status(admin_port: int) -> dict[str, Any] | None:
     import urllib.request
 
     try:
         with urllib.request.urlopen(f"http://{HOST}:{admin_port}/cluster/status", timeout=2) as r:
-            status = json.loads(r.read())
+            return json.loads(r.read())
     except OSError:
-        return False
+        return None
+
+
+def links_up(admin_port: int, peers: int) -> bool:
+    status = cluster_status(admin_port) or {}
     plane = status.get("data_plane") or {}
     return sum(1 for p in plane.values() if p.get("up")) >= peers
+
+
+def map_settled(admin_port: int, nodes: int) -> bool:
+    """Whether the node's map has `nodes` live members, each primary for some partition,
+    with no copies streaming."""
+    status = cluster_status(admin_port) or {}
+    members = status.get("members") or []
+    live = [m for m in members if m.get("state") in ("alive", "self") and m.get("primary")]
+    settled = len(live) == nodes and not status.get("pending_change", True)
+    return settled and not any(m.get("streaming") for m in members)
 
 
 def start_bridge(base: Path) -> Setup:
