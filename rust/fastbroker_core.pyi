@@ -179,6 +179,8 @@ class Engine:
         """The link's write buffer went over (False) or back under (True) its high mark."""
     def claim_stats(self) -> dict[str, int]:
         """Claims of client ids between nodes: made, timed_out, sessions_in, sessions_out."""
+    def will_stats(self) -> dict[str, int]:
+        """Wills of other nodes' connections held here: held, published, refused."""
     def cluster_set_protocol(self, peer: int, version: int) -> None:
         """The inter-node protocol version agreed on the peer's link (2 until told)."""
     def kick(self, client_id: str, cluster: bool, now_ms: int) -> bool:

@@ -955,6 +955,59 @@ def metric(node: Node, name: str) -> float:
 PREFIX = "fastbroker_"
 
 
+def test_wills_of_clean_sessions_on_a_killed_node_are_published_once(tmp_path):
+    """The usual fleet pattern: devices with clean sessions and a will ("offline") on n1.
+    "sensor" stays connected, "quiet" says DISCONNECT first (no will), "back" reconnects
+    on n2 right after n1 is SIGKILLed (its old connection's will comes before its new
+    CONNACK, as a takeover on one node). sensor's will comes once, after the failure
+    timeout, from an owner of its partition; nothing more when n1 comes back."""
+    with Cluster(tmp_path) as cluster:
+        n1, n2, n3 = start_cluster(cluster, 3)
+        watcher = Client(endpoint(n3), client_id=unique("watch"), version=5)
+        watcher.connect()
+        watcher.subscribe("wills/#", qos=1)
+        wait_rows(n1, "n3", 1)
+        wait_rows(n2, "n3", 1)
+        ids = {name: unique(name) for name in ("sensor", "quiet", "back")}
+        socks = {}
+        for name, cid in ids.items():
+            socks[name], _ = r.connect_client(
+                n1.ip, n1.mqtt_port, cid, will_topic=f"wills/{name}", will_payload=b"offline"
+            )
+
+        def held() -> int:
+            return sum(metric(n, "cluster_will_copies") for n in (n2, n3))
+
+        # Each will is copied to the owners of its partition besides n1 (1 or 2 of them).
+        wait_for(lambda: held() >= 3, 5, "will copies", n2, n3)
+        before = held()
+        socks["quiet"].sendall(r.disconnect())
+        wait_for(lambda: held() < before, 5, "quiet's will copies dropped", n2, n3)
+        n1.kill()
+        killed = time.monotonic()
+        # "back" reconnects on n2 before the failure timeout (once n2 and n3 saw the link
+        # to n1 drop): its old will first.
+        gone = lambda n: not plane(n, "n1")["up"]  # noqa: E731
+        wait_for(lambda: gone(n2) and gone(n3), 2, "links to n1 down", n2, n3)
+        again, _ = r.connect_client(n2.ip, n2.mqtt_port, ids["back"])
+        got = watcher.expect(1, 5.0)
+        assert [(m.topic, m.payload) for m in got] == [("wills/back", b"offline")]
+        assert time.monotonic() - killed < 1.5
+        # sensor's: once, after the failure timeout.
+        got = watcher.expect(1, 15.0)
+        assert [(m.topic, m.payload) for m in got] == [("wills/sensor", b"offline")]
+        assert time.monotonic() - killed >= 1.5
+        published = sum(metric(n, "cluster_wills_published_for_dead_nodes") for n in (n2, n3))
+        assert published == 2
+        cluster.start(1, join=cluster.seeds(2))
+        wait_for(lambda: serving(n1), 20, "n1 serving", n1)
+        assert [m.topic for m in watcher.drain(1.5)] == []
+        again.close()
+        for sock in socks.values():
+            sock.close()
+        watcher.disconnect()
+
+
 def test_sessions_of_a_killed_node_live_on_with_every_acknowledged_message_and_one_will(tmp_path):
     """n1 holds three persistent sessions: "dev" offline with 300 QoS 1 messages queued
     (published and acknowledged on n2), "lamp" connected with a will, "brief" offline with a

@@ -492,6 +492,16 @@ impl PyEngine {
         Ok(d)
     }
 
+    /// Wills of other nodes' connections held here (broker::cluster_wills).
+    fn will_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.will_stats();
+        let d = PyDict::new(py);
+        d.set_item("held", s.held)?;
+        d.set_item("published", s.published)?;
+        d.set_item("refused", s.refused)?;
+        Ok(d)
+    }
+
     fn cluster_local_rows(&self) -> usize {
         self.inner.cluster_local_rows()
     }

@@ -411,6 +411,17 @@ class BrokerCollector:
             "Messages kept here for a dead node sent to where its sessions live now",
             claims["kept_handed"],
         )
+        wills = dataplane.engine.will_stats()
+        yield gauge(
+            "cluster_will_copies",
+            "Wills of other nodes' connections (sessions that end with them) held here",
+            wills["held"],
+        )
+        yield counter(
+            "cluster_wills_published_for_dead_nodes",
+            "Wills of connections on a dead node this node published from its copy",
+            wills["published"],
+        )
         copies = dataplane.engine.replica_stats()
         yield gauge(
             "cluster_session_copies",

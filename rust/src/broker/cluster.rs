@@ -707,6 +707,23 @@ impl Cluster {
         held.unwrap_or(self.route_version)
     }
 
+    /// Copies the will of connection `client_id` (version `stamp`) to peer `id`, an owner of
+    /// its partition (protocol 9).
+    pub(super) fn queue_will_copy(
+        &mut self,
+        id: PeerId,
+        client_id: &str,
+        stamp: Stamp,
+        will: &[u8],
+    ) {
+        self.queue_reliable(id, 9, |items| items.will_copy(client_id, stamp, will));
+    }
+
+    /// Tells peer `id` that the connection whose will it holds a copy of ended here.
+    pub(super) fn queue_will_gone(&mut self, id: PeerId, client_id: &str, stamp: Stamp) {
+        self.queue_reliable(id, 9, |items| items.will_gone(client_id, stamp));
+    }
+
     /// Tells peer `id` (protocol 8) that every node has our rows for `client_id`, which
     /// came here from it.
     pub(super) fn queue_relay_end(&mut self, id: PeerId, client_id: &str) {
@@ -1095,6 +1112,7 @@ impl Engine {
             self.queue_retained_set(id, now);
             self.queue_copy_checks(id);
             self.ask_kept_on_link_up(id);
+            self.wills_link_up(id);
             self.give_up_deferred(id, now);
         } else {
             let c = &mut self.cluster;
@@ -1458,6 +1476,8 @@ impl Engine {
                 | Item::Fence { .. }
                 | Item::Installed { .. }
                 | Item::RelayEnd { .. }
+                | Item::WillCopy { .. }
+                | Item::WillGone { .. }
                 | Item::KeptState { .. }
                 | Item::Applied(_)
                 | Item::Safe { .. } => {}
@@ -1628,6 +1648,14 @@ impl Engine {
                 } => self.fence_received(id, client_id, stamp, home, now),
                 Item::Installed { client_id } => self.installed_received(id, client_id),
                 Item::RelayEnd { client_id } => self.relay_end_received(id, client_id, now),
+                Item::WillCopy {
+                    client_id,
+                    stamp,
+                    will,
+                } => self.will_copy_received(id, client_id, stamp, will),
+                Item::WillGone { client_id, stamp } => {
+                    self.will_gone_received(id, client_id, stamp);
+                }
                 Item::KeptState {
                     client_id,
                     home,

@@ -235,7 +235,14 @@ impl Replicas {
         })
     }
 
-    fn is_owner(&self, client_id: &str) -> bool {
+    /// The owners of `client_id`'s partition, primary first (this node as `THIS_NODE`).
+    pub(super) fn owners_of(&self, client_id: &str) -> Vec<PeerId> {
+        self.map
+            .as_ref()
+            .map_or_else(Vec::new, |m| m.owners(client_id).to_vec())
+    }
+
+    pub(super) fn is_owner(&self, client_id: &str) -> bool {
         self.map
             .as_ref()
             .is_none_or(|m| m.owners(client_id).contains(&THIS_NODE))
@@ -272,6 +279,7 @@ impl Engine {
             return;
         }
         self.drop_copies_not_owned();
+        self.wills_map_changed();
         let sids: Vec<SessionId> = self.by_client.values().copied().collect();
         for sid in sids {
             let Some(session) = self.session(sid) else {

@@ -181,6 +181,7 @@ impl Engine {
         auth_data: Option<Bytes>,
         now: u64,
     ) {
+        self.will_on_claim(&pending.client_id, now);
         if !self.claim_needed(&pending) {
             return self.accept_connect_here(id, pending, auth_method, auth_data, now);
         }
@@ -231,6 +232,7 @@ impl Engine {
         now: u64,
     ) {
         self.cluster.retained.observe(stamp);
+        self.will_on_claim(client_id, now);
         if let Some(ours) = self.claims.pending.get(client_id) {
             if ours.stamp > stamp {
                 // Ours is newer: theirs finds nothing here, and ours takes over from it.

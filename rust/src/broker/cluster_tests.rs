@@ -2506,3 +2506,193 @@ fn a_home_back_hands_its_session_on_once_the_new_homes_link_is_up() {
     // What node 0 held (m0) and what node 2 kept for it (k1, k2) went on with their ids.
     assert_eq!(payloads(&n.h[2].recv_one(back)), Vec::<String>::new());
 }
+
+/// Nodes 0-2 at protocol 9, nodes 1 and 2 the owners of every partition; "sensor" (MQTT
+/// 3.1.1, clean session, with a will) connected on node 0, a watcher of its will on node 2.
+fn will_holder_on_node0() -> (
+    Nodes,
+    Vec<Disk>,
+    crate::broker::ConnId,
+    crate::broker::ConnId,
+) {
+    let (mut n, mut disks) = copying_nodes(3, &[1, 2], 5_000);
+    protocol(&mut n, 9);
+    let watcher = connect_on(
+        &mut n,
+        2,
+        super::tests::connect("watcher", Protocol::V5, true),
+    );
+    n.h[2].subscribe(watcher, "wills/#", QoS::AtLeastOnce);
+    let mut c = super::tests::connect("sensor", Protocol::V311, true);
+    c.will = Some(crate::codec::LastWill {
+        topic: "wills/sensor".into(),
+        payload: bytes::Bytes::from_static(b"offline"),
+        qos: QoS::AtLeastOnce,
+        retain: false,
+        properties: Default::default(),
+    });
+    let sensor = connect_on(&mut n, 0, c);
+    settle_and_sync(&mut n, &mut disks);
+    for i in [1, 2] {
+        assert_eq!(n.h[i].e.will_stats().held, 1, "node {i}");
+    }
+    (n, disks, sensor, watcher)
+}
+
+fn tick_by(n: &mut Nodes, i: usize, ms: u64) {
+    n.h[i].now += ms;
+    let now = n.h[i].now;
+    n.h[i].e.tick(now);
+}
+
+/// Node 0 dies: its links to nodes 1 and 2 drop.
+fn node0_dies(n: &mut Nodes) {
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+}
+
+fn assert_no_will_copies(n: &Nodes) {
+    for i in [1, 2] {
+        assert_eq!(n.h[i].e.will_stats().held, 0, "node {i}");
+    }
+}
+
+/// Nodes 1 and 2 tick `ms` later, then everything settles.
+fn owners_tick(n: &mut Nodes, disks: &mut [Disk], ms: u64) {
+    for i in [1, 2] {
+        tick_by(n, i, ms);
+    }
+    settle_and_sync(n, disks);
+}
+
+#[test]
+fn a_dead_nodes_clean_session_has_its_will_published_once_by_the_first_owner_up() {
+    let (mut n, mut disks, _, watcher) = will_holder_on_node0();
+    // Node 0 dies with the sensor connected: nothing before the takeover time ...
+    node0_dies(&mut n);
+    owners_tick(&mut n, &mut disks, 4_000);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    // ... then node 1, the first owner up, publishes the will; node 2 drops its copy.
+    owners_tick(&mut n, &mut disks, 1_000);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
+    assert_eq!(n.h[1].e.will_stats().published, 1);
+    assert_eq!(n.h[2].e.will_stats().published, 0);
+    assert_no_will_copies(&n);
+    owners_tick(&mut n, &mut disks, 10_000);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+}
+
+#[test]
+fn with_the_first_owner_down_too_the_next_one_publishes_the_will() {
+    let (mut n, mut disks, _, watcher) = will_holder_on_node0();
+    node0_dies(&mut n);
+    n.cut_link(1, 2);
+    tick_by(&mut n, 2, 5_000);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
+    assert_eq!(n.h[2].e.will_stats().published, 1);
+}
+
+#[test]
+fn a_will_discarded_by_disconnect_is_not_published_when_its_node_dies_later() {
+    let (mut n, mut disks, sensor, watcher) = will_holder_on_node0();
+    n.h[0].send(
+        sensor,
+        Packet::Disconnect(crate::codec::Disconnect {
+            reason_code: 0,
+            properties: None,
+        }),
+    );
+    settle_and_sync(&mut n, &mut disks);
+    assert_no_will_copies(&n);
+    node0_dies(&mut n);
+    owners_tick(&mut n, &mut disks, 6_000);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+}
+
+#[test]
+fn a_will_published_by_its_live_node_is_not_published_again_by_an_owner() {
+    let (mut n, mut disks, sensor, watcher) = will_holder_on_node0();
+    // The connection drops without DISCONNECT: node 0 publishes the will, then dies.
+    let now = n.h[0].now;
+    n.h[0].e.closed(sensor, now);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
+    node0_dies(&mut n);
+    owners_tick(&mut n, &mut disks, 6_000);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+}
+
+#[test]
+fn a_client_back_on_another_node_before_the_takeover_time_gets_its_old_will_published_first() {
+    let (mut n, mut disks, _, watcher) = will_holder_on_node0();
+    node0_dies(&mut n);
+    // The sensor reconnects on node 2 at once: node 1 publishes the old connection's will
+    // as it answers the claim (a takeover on one node publishes it too), node 2 drops its
+    // copy; the takeover time later brings nothing more.
+    let back = n.h[2].open_connect(super::tests::connect("sensor", Protocol::V311, true));
+    settle_and_sync(&mut n, &mut disks);
+    let mut got = n.h[2].recv();
+    assert!(connack(&got.remove(&back).unwrap_or_default()).reason_code == 0);
+    assert_eq!(
+        payloads(&got.remove(&watcher).unwrap_or_default()),
+        ["offline"]
+    );
+    assert_eq!(n.h[1].e.will_stats().published, 1);
+    assert_no_will_copies(&n);
+    owners_tick(&mut n, &mut disks, 6_000);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    assert!(n.h[2].recv_one(back).is_empty());
+}
+
+#[test]
+fn a_node_back_after_a_restart_has_the_wills_it_held_dropped_and_its_live_ones_sent_again() {
+    let (mut n, mut disks, _, watcher) = will_holder_on_node0();
+    // Node 1's link to node 0 drops and comes back: node 0 sends the will again.
+    n.cut_link(0, 1);
+    n.heal_link(0, 1);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[1].e.will_stats().held, 1);
+    // Dead for good now: published once.
+    node0_dies(&mut n);
+    owners_tick(&mut n, &mut disks, 6_000);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
+}
+
+#[test]
+fn persistent_sessions_and_older_peers_get_no_will_copies_and_strays_are_refused() {
+    let (mut n, mut disks) = copying_nodes(3, &[1, 2], 5_000);
+    protocol(&mut n, 9);
+    // A persistent session's will goes with its session copy instead.
+    let mut c = persistent_v5("lamp");
+    c.will = Some(crate::codec::LastWill {
+        topic: "wills/lamp".into(),
+        payload: bytes::Bytes::from_static(b"gone"),
+        qos: QoS::AtLeastOnce,
+        retain: false,
+        properties: Default::default(),
+    });
+    connect_on(&mut n, 0, c.clone());
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[1].e.will_stats().held, 0);
+    // Node 0, not an owner, refuses a will copy; an unreadable one is refused too.
+    let mut w = batch::ItemWriter::default();
+    w.will_copy("x", Stamp { clock: 1, node: 1 }, &[]);
+    let frame = w.finish(batch::Header::default());
+    let p = n.peer[0][1];
+    let now = n.h[0].now;
+    n.h[0].e.cluster_feed(p, &body_of(&frame), now).unwrap();
+    assert_eq!(n.h[0].e.will_stats().refused, 1);
+    let p = n.peer[1][0];
+    n.h[1].e.cluster_feed(p, &body_of(&frame), now).unwrap();
+    assert_eq!(n.h[1].e.will_stats().refused, 1);
+    assert_eq!(n.h[1].e.will_stats().held, 0);
+    // Peers of protocol 8 get none.
+    protocol(&mut n, 8);
+    c.client_id = "lamp2".into();
+    c.clean_start = true;
+    c.properties.session_expiry_interval = None;
+    connect_on(&mut n, 0, c);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[1].e.will_stats().held, 0);
+}

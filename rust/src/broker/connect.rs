@@ -319,6 +319,7 @@ impl Engine {
         self.access("connect", id, 0, "");
         let will = c.will;
         self.conn_mut(id).expect("exists").will = will.map(Box::new);
+        self.copy_will(sid, id, now);
         // Stored before the CONNACK goes out (the caller writes operations before output).
         self.persist_session(sid, now);
         if session_present {

@@ -17,6 +17,7 @@ mod cluster_sessions;
 mod cluster_streams;
 #[cfg(test)]
 mod cluster_tests;
+mod cluster_wills;
 mod config;
 mod connect;
 mod durable;
@@ -44,6 +45,7 @@ pub use auth::{AccessEvent, AuthRequest};
 pub use cluster::{PeerId, PeerStats};
 pub use cluster_replicas::{ReplicaStats, THIS_NODE};
 pub use cluster_sessions::ClaimStats;
+pub use cluster_wills::WillStats;
 pub use config::{Config, Value};
 pub use durable::{RestoreSummary, StoreOp};
 pub use intercept::{Intercepted, Verdict};
@@ -136,6 +138,7 @@ pub struct Engine {
     cluster: cluster::Cluster,
     claims: cluster_sessions::Claims,
     replicas: cluster_replicas::Replicas,
+    wills: cluster_wills::Wills,
     gates: cluster_gates::Gates,
 }
 
@@ -175,6 +178,7 @@ impl Engine {
             cluster: cluster::Cluster::default(),
             claims: cluster_sessions::Claims::default(),
             replicas: cluster_replicas::Replicas::default(),
+            wills: cluster_wills::Wills::default(),
             gates: cluster_gates::Gates::default(),
         }
     }
@@ -587,6 +591,7 @@ impl Engine {
         session.conn = None;
         session.disconnected_at = Some(now);
         let expiry = session.expiry;
+        self.will_ended(sid);
         if let (true, Some(will)) = (abnormal, will) {
             let delay = will.properties.will_delay_interval.unwrap_or(0);
             if delay == 0 || expiry == 0 {
@@ -635,6 +640,7 @@ impl Engine {
 
     /// Takes session `sid` out of the engine with its subscriptions (not its records).
     fn remove_session(&mut self, sid: SessionId) -> Option<Session> {
+        self.will_ended(sid);
         let session = self.sessions.get_mut(sid as usize).and_then(|s| s.take())?;
         for filter in session.subs.keys() {
             self.index_unsubscribe(filter, sid);

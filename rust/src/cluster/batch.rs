@@ -66,6 +66,9 @@ const ITEM_COPY_ANSWER_MARKED: u8 = 20;
 /// Protocol 8.
 const ITEM_RELAY_END: u8 = 21;
 const ITEM_KEPT_STATE: u8 = 22;
+/// Protocol 9.
+const ITEM_WILL_COPY: u8 = 23;
+const ITEM_WILL_GONE: u8 = 24;
 /// `KeptAsk` flags.
 const ASK_AGAIN: u8 = 1;
 const ASK_APPLIED: u8 = 2;
@@ -277,6 +280,20 @@ pub enum Item<'a> {
         marks: Vec<Mark>,
         ids: Vec<u128>,
     },
+    /// Connection `client_id` on the sender, whose session ends with it, has this will
+    /// (`records::encode_will`); `stamp`: the connection's version. Sent to the owners of
+    /// the client id's partition (protocol 9), which publish it if the sender dies.
+    WillCopy {
+        client_id: &'a str,
+        stamp: Stamp,
+        will: &'a [u8],
+    },
+    /// The connection of `client_id` with version `stamp` ended on the sender (its will was
+    /// published there or discarded): the receiver drops its copy (protocol 9).
+    WillGone {
+        client_id: &'a str,
+        stamp: Stamp,
+    },
     /// The sender applied the receiver's reliable batches of its incarnation `epoch` up to
     /// `seq` and its copies of what they stored are acknowledged (the header's acknowledgement
     /// says applied only): the receiver's publishers may be acknowledged.
@@ -482,6 +499,15 @@ impl ItemWriter {
     pub fn installed(&mut self, client_id: &str) {
         self.w.u8(ITEM_INSTALLED).bytes(client_id.as_bytes());
         self.count += 1;
+    }
+
+    pub fn will_copy(&mut self, client_id: &str, stamp: Stamp, will: &[u8]) {
+        self.session_stamp(ITEM_WILL_COPY, client_id, stamp);
+        self.w.bytes(will);
+    }
+
+    pub fn will_gone(&mut self, client_id: &str, stamp: Stamp) {
+        self.session_stamp(ITEM_WILL_GONE, client_id, stamp);
     }
 
     pub fn relay_end(&mut self, client_id: &str) {
@@ -841,6 +867,15 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
         ITEM_RELAY_END => Item::RelayEnd {
             client_id: client_id(r.bytes()?)?,
         },
+        ITEM_WILL_COPY => Item::WillCopy {
+            client_id: client_id(r.bytes()?)?,
+            stamp: read_stamp(r)?,
+            will: r.bytes()?,
+        },
+        ITEM_WILL_GONE => Item::WillGone {
+            client_id: client_id(r.bytes()?)?,
+            stamp: read_stamp(r)?,
+        },
         ITEM_KEPT_STATE => {
             let client_id = client_id(r.bytes()?)?;
             let home = r.u64()?;
@@ -1083,6 +1118,8 @@ mod tests {
         w.fence("dev-3", stamp, "n2");
         w.installed("dev-4");
         w.relay_end("dev-4");
+        w.will_copy("dev-6", stamp, b"will");
+        w.will_gone("dev-6", stamp);
         w.kept_state("dev-4", 99, &[mark], [7u128 << 64 | 3, 1].into_iter());
         w.safe(8, 9);
         let subs = [
@@ -1203,6 +1240,15 @@ mod tests {
                 },
                 Item::Installed { client_id: "dev-4" },
                 Item::RelayEnd { client_id: "dev-4" },
+                Item::WillCopy {
+                    client_id: "dev-6",
+                    stamp,
+                    will: b"will"
+                },
+                Item::WillGone {
+                    client_id: "dev-6",
+                    stamp
+                },
                 Item::KeptState {
                     client_id: "dev-4",
                     home: 99,

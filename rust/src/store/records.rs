@@ -342,6 +342,21 @@ fn read_stamp(r: &mut Reader<'_>) -> Result<Option<Stamp>, BodyError> {
     }))
 }
 
+/// A will alone, as the session record holds it: what a connection's node copies to the
+/// owners of its client id's partition (broker::cluster_wills).
+pub fn encode_will(will: &LastWill) -> Vec<u8> {
+    let mut w = Writer::default();
+    write_will(&mut w, will);
+    w.buf
+}
+
+pub fn decode_will(body: &[u8]) -> Result<LastWill, BodyError> {
+    let mut r = Reader::new(body);
+    let will = read_will(&mut r)?;
+    r.finish()?;
+    Ok(will)
+}
+
 fn write_will(w: &mut Writer, will: &LastWill) {
     w.bytes(will.topic.as_bytes())
         .bytes(&will.payload)

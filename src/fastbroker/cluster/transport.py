@@ -70,9 +70,11 @@ MAGIC = "fastbroker-cluster"
 # batches (Applied; carried in answers read from copies). Version 8: a session's new home
 # tells its old home once every node has its route rows for it (RelayEnd), and the old home
 # relays until then rather than for a fixed 5 s; a session installed from a dead home's
-# copy that moves on carries what was kept for that home with it (KeptState).
+# copy that moves on carries what was kept for that home with it (KeptState). Version 9: a
+# node copies the will of a connection whose session ends with it to the partition's owners
+# (WillCopy, WillGone), which publish it if that node dies.
 PROTOCOL_MIN = 2
-PROTOCOL_MAX = 8
+PROTOCOL_MAX = 9
 
 CONTROL = "control"
 DATA_CHANNEL = "data"

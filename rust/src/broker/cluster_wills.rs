@@ -1,0 +1,288 @@
+//! Wills of connections whose session ends with them (MQTT 3.1.1 clean session, MQTT 5
+//! session expiry 0) outlive the node that holds the connection (issue 16).
+//!
+//! Persistent sessions are copied to the owners of their client id's partition, will and
+//! all, and the owner that takes a dead home's session over publishes its will
+//! (`cluster_replicas`). A session that ends with its connection is not copied (it has
+//! nothing to resume), so its will, the "device offline" message most fleets rely on, died
+//! with its node. Now such a connection's node sends its will to the other owners of the
+//! partition (`WillCopy`, protocol 9, with the connection's version) and tells them when
+//! the connection ends (`WillGone`: the will was published here, or discarded by a
+//! DISCONNECT). An owner holds the copies in memory and publishes one, once, when:
+//! - the home has been down for the takeover time (as sessions are taken over), and this
+//!   node is the first owner up besides the home; the others drop theirs; or
+//! - a claim for the client id arrives while the home is down (the client reconnected
+//!   elsewhere before the takeover time): the first owner up publishes it before it
+//!   answers, so the will comes before anything the new connection publishes, as a takeover
+//!   on one node.
+//!
+//! When a link comes up, its node sends the owners the wills of its live connections
+//! again, and the owners drop what they held for it before (a home that restarted has no
+//! connections left). At a map change the home copies its wills to the current owners, and
+//! owners drop the copies of partitions they lost.
+//!
+//! Not covered: a home that was only cut off or paused for the takeover time keeps its
+//! connection after its will was published (as sessions can live on both sides of a
+//! split); if that connection later ends abnormally, its will is published again. Copies
+//! live in memory: an owner that restarts while the home is down has none.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::cluster::PeerId;
+use super::cluster_replicas::THIS_NODE;
+use super::state::{SessionId, BROKER_ORIGIN};
+use super::{ConnId, Engine};
+use crate::cluster::batch::Stamp;
+use crate::codec::LastWill;
+use crate::store::records;
+
+/// A will held here for a connection on another node.
+struct HeldWill {
+    /// The key of the node that holds the connection.
+    home: u64,
+    stamp: Stamp,
+    will: LastWill,
+}
+
+#[derive(Default)]
+pub(super) struct Wills {
+    /// Connections here whose wills are copied to the owners, by session: their versions.
+    out: HashMap<SessionId, Stamp>,
+    /// Copies held for connections on other nodes, by client id.
+    held: HashMap<Arc<str>, HeldWill>,
+    pub(super) stats: WillStats,
+}
+
+#[derive(Default, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WillStats {
+    /// Wills of other nodes' connections held here.
+    pub held: u64,
+    /// Wills of other nodes' connections this node published (their node died).
+    pub published: u64,
+    /// Will copies refused (this node does not own the client id's partition).
+    pub refused: u64,
+}
+
+impl Engine {
+    /// Connection `conn` of session `sid` became live: if it has a will and the session
+    /// ends with it, the other owners of its partition get a copy.
+    pub(super) fn copy_will(&mut self, sid: SessionId, conn: ConnId, now: u64) {
+        let Some(session) = self.session(sid) else {
+            return;
+        };
+        if session.expiry != 0 || self.cluster.epoch_of() == 0 {
+            return;
+        }
+        let client = session.client_id.clone();
+        let will = self.conn(conn).and_then(|c| c.will.as_deref());
+        let Some(body) = will.map(records::encode_will) else {
+            return;
+        };
+        let stamp = self.cluster.retained.next(self.wall(now));
+        self.wills.out.insert(sid, stamp);
+        for peer in self.replicas.other_owners(&client) {
+            self.cluster.queue_will_copy(peer, &client, stamp, &body);
+        }
+    }
+
+    /// The connection of session `sid` ended (its will published here or discarded).
+    pub(super) fn will_ended(&mut self, sid: SessionId) {
+        if self.wills.out.is_empty() {
+            return;
+        }
+        let Some(stamp) = self.wills.out.remove(&sid) else {
+            return;
+        };
+        let Some(client) = self.session(sid).map(|s| s.client_id.clone()) else {
+            return;
+        };
+        for peer in self.replicas.other_owners(&client) {
+            self.cluster.queue_will_gone(peer, &client, stamp);
+        }
+    }
+
+    /// The wills of this node's connections, to the owners of their partitions (at a map
+    /// change), or to `peer` only (its link came up).
+    pub(super) fn send_wills(&mut self, only: Option<PeerId>) {
+        if self.wills.out.is_empty() {
+            return;
+        }
+        let out: Vec<(SessionId, Stamp)> = self.wills.out.iter().map(|(&s, &t)| (s, t)).collect();
+        for (sid, stamp) in out {
+            let Some(conn) = self.session(sid).and_then(|s| s.conn) else {
+                continue;
+            };
+            let Some(will) = self.conn(conn).and_then(|c| c.will.as_deref()) else {
+                continue;
+            };
+            let body = records::encode_will(will);
+            let client = self.session(sid).expect("checked").client_id.clone();
+            for peer in self.replicas.other_owners(&client) {
+                if only.is_none_or(|p| p == peer) {
+                    self.cluster.queue_will_copy(peer, &client, stamp, &body);
+                }
+            }
+        }
+    }
+
+    /// Peer `peer`'s link came up: what it held here is replaced by what it sends now, and
+    /// it gets the wills of our connections it owns.
+    pub(super) fn wills_link_up(&mut self, peer: PeerId) {
+        let key = self.cluster.peer_key(peer);
+        self.wills.held.retain(|_, w| w.home != key);
+        self.wills.stats.held = self.wills.held.len() as u64;
+        self.send_wills(Some(peer));
+    }
+
+    /// After a map change: copies of partitions this node no longer owns go, and the
+    /// owners get the wills of this node's connections.
+    pub(super) fn wills_map_changed(&mut self) {
+        let held = std::mem::take(&mut self.wills.held);
+        self.wills.held = held
+            .into_iter()
+            .filter(|(client, _)| self.replicas.is_owner(client))
+            .collect();
+        self.wills.stats.held = self.wills.held.len() as u64;
+        self.send_wills(None);
+    }
+
+    /// Peer `peer` holds connection `client_id` (version `stamp`) with this will.
+    pub(super) fn will_copy_received(
+        &mut self,
+        peer: PeerId,
+        client_id: &str,
+        stamp: Stamp,
+        will: &[u8],
+    ) {
+        if !self.replicas.is_owner(client_id) {
+            self.wills.stats.refused += 1;
+            self.event(
+                "will_copy_refused",
+                Arc::from(client_id),
+                "a will copy for a partition this node does not own".into(),
+            );
+            return;
+        }
+        let will = match records::decode_will(will) {
+            Ok(will) => will,
+            Err(e) => {
+                self.wills.stats.refused += 1;
+                self.event(
+                    "will_copy_refused",
+                    Arc::from(client_id),
+                    format!("unreadable will: {}", e.0),
+                );
+                return;
+            }
+        };
+        let home = self.cluster.peer_key(peer);
+        if self
+            .wills
+            .held
+            .get(client_id)
+            .is_some_and(|w| w.stamp > stamp)
+        {
+            return;
+        }
+        self.wills
+            .held
+            .insert(Arc::from(client_id), HeldWill { home, stamp, will });
+        self.wills.stats.held = self.wills.held.len() as u64;
+    }
+
+    /// The connection of `client_id` with version `stamp` ended on peer `peer`.
+    pub(super) fn will_gone_received(&mut self, peer: PeerId, client_id: &str, stamp: Stamp) {
+        let home = self.cluster.peer_key(peer);
+        if self
+            .wills
+            .held
+            .get(client_id)
+            .is_some_and(|w| w.home == home && w.stamp <= stamp)
+        {
+            self.wills.held.remove(client_id);
+            self.wills.stats.held = self.wills.held.len() as u64;
+        }
+    }
+
+    /// A claim for `client_id` (a peer's, or this node's own): if the connection whose will
+    /// is held here is on a node that is down, its will is published now by the first owner
+    /// up, and the copies go.
+    pub(super) fn will_on_claim(&mut self, client_id: &str, now: u64) {
+        if self.wills.held.is_empty() {
+            return;
+        }
+        let Some(w) = self.wills.held.get(client_id) else {
+            return;
+        };
+        let home = self.cluster.peer_by_key(w.home);
+        if home.is_some_and(|h| self.cluster.peer_up(h)) {
+            // The home serves the claim: it ends the connection and says so.
+            return;
+        }
+        let w = self.wills.held.remove(client_id).expect("checked");
+        self.wills.stats.held = self.wills.held.len() as u64;
+        if self.first_owner_up(client_id, home) {
+            self.publish_held_will(client_id, w.will, now);
+        }
+    }
+
+    /// Publishes the wills held for connections on nodes down for the takeover time (this
+    /// node publishes those whose first owner up it is; the others drop theirs).
+    pub(super) fn wills_tick(&mut self, now: u64) {
+        let after = self.cfg.cluster_takeover_ms;
+        if after == 0 || self.wills.held.is_empty() {
+            return;
+        }
+        let dead: Vec<u64> = self
+            .cluster
+            .down_longer_than(after, now)
+            .into_iter()
+            .map(|p| self.cluster.peer_key(p))
+            .collect();
+        let gone: Vec<Arc<str>> = self
+            .wills
+            .held
+            .iter()
+            .filter(|(_, w)| {
+                // A home that left the cluster (no longer a peer) is dead too.
+                dead.contains(&w.home) || self.cluster.peer_by_key(w.home).is_none()
+            })
+            .map(|(c, _)| c.clone())
+            .collect();
+        for client in gone {
+            let w = self.wills.held.remove(&client).expect("listed");
+            let home = self.cluster.peer_by_key(w.home);
+            if self.first_owner_up(&client, home) {
+                self.publish_held_will(&client, w.will, now);
+            }
+        }
+        self.wills.stats.held = self.wills.held.len() as u64;
+    }
+
+    /// Whether this node is the first owner of `client_id`'s partition that is up, besides
+    /// `home`.
+    fn first_owner_up(&self, client_id: &str, home: Option<PeerId>) -> bool {
+        let first = self
+            .replicas
+            .owners_of(client_id)
+            .into_iter()
+            .filter(|&p| Some(p) != home)
+            .find(|&p| p == THIS_NODE || self.cluster.peer_up(p));
+        first == Some(THIS_NODE)
+    }
+
+    fn publish_held_will(&mut self, client_id: &str, will: LastWill, now: u64) {
+        self.wills.stats.published += 1;
+        self.event(
+            "will_published_for_dead_node",
+            Arc::from(client_id),
+            format!("the will of a connection on a dead node, on {}", will.topic),
+        );
+        self.publish_will(will, BROKER_ORIGIN, now);
+    }
+
+    pub fn will_stats(&self) -> WillStats {
+        self.wills.stats
+    }
+}
