@@ -719,6 +719,12 @@ impl Cluster {
         self.queue_reliable(id, 9, |items| items.will_copy(client_id, stamp, will));
     }
 
+    /// Tells peer `id` that this node published the will of its connection `client_id`
+    /// (version `stamp`) while it was out of reach.
+    pub(super) fn queue_will_fired(&mut self, id: PeerId, client_id: &str, stamp: Stamp) {
+        self.queue_reliable(id, 9, |items| items.will_fired(client_id, stamp));
+    }
+
     /// Tells peer `id` that the connection whose will it holds a copy of ended here.
     pub(super) fn queue_will_gone(&mut self, id: PeerId, client_id: &str, stamp: Stamp) {
         self.queue_reliable(id, 9, |items| items.will_gone(client_id, stamp));
@@ -1478,6 +1484,7 @@ impl Engine {
                 | Item::RelayEnd { .. }
                 | Item::WillCopy { .. }
                 | Item::WillGone { .. }
+                | Item::WillFired { .. }
                 | Item::KeptState { .. }
                 | Item::Applied(_)
                 | Item::Safe { .. } => {}
@@ -1655,6 +1662,9 @@ impl Engine {
                 } => self.will_copy_received(id, client_id, stamp, will),
                 Item::WillGone { client_id, stamp } => {
                     self.will_gone_received(id, client_id, stamp);
+                }
+                Item::WillFired { client_id, stamp } => {
+                    self.will_fired_received(client_id, stamp, now);
                 }
                 Item::KeptState {
                     client_id,

@@ -2523,6 +2523,16 @@ fn will_holder_on_node0() -> (
         super::tests::connect("watcher", Protocol::V5, true),
     );
     n.h[2].subscribe(watcher, "wills/#", QoS::AtLeastOnce);
+    let sensor = connect_on(&mut n, 0, sensor_connect());
+    settle_and_sync(&mut n, &mut disks);
+    for i in [1, 2] {
+        assert_eq!(n.h[i].e.will_stats().held, 1, "node {i}");
+    }
+    (n, disks, sensor, watcher)
+}
+
+/// "sensor": MQTT 3.1.1, clean session, with a will.
+fn sensor_connect() -> crate::codec::Connect {
     let mut c = super::tests::connect("sensor", Protocol::V311, true);
     c.will = Some(crate::codec::LastWill {
         topic: "wills/sensor".into(),
@@ -2531,12 +2541,7 @@ fn will_holder_on_node0() -> (
         retain: false,
         properties: Default::default(),
     });
-    let sensor = connect_on(&mut n, 0, c);
-    settle_and_sync(&mut n, &mut disks);
-    for i in [1, 2] {
-        assert_eq!(n.h[i].e.will_stats().held, 1, "node {i}");
-    }
-    (n, disks, sensor, watcher)
+    c
 }
 
 fn tick_by(n: &mut Nodes, i: usize, ms: u64) {
@@ -2695,4 +2700,33 @@ fn persistent_sessions_and_older_peers_get_no_will_copies_and_strays_are_refused
     connect_on(&mut n, 0, c);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(n.h[1].e.will_stats().held, 0);
+}
+
+#[test]
+fn a_node_back_from_out_of_reach_closes_the_connection_whose_will_was_published() {
+    let (mut n, mut disks, sensor, watcher) = will_holder_on_node0();
+    // Node 0 is cut off (or paused) for the takeover time: node 1 publishes the will.
+    node0_dies(&mut n);
+    owners_tick(&mut n, &mut disks, 5_000);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
+    // Back: node 1 tells node 0, which closes the sensor's connection without the will,
+    // and the owners drop what node 0 sent them again on the new links.
+    n.heal_link(0, 1);
+    n.heal_link(0, 2);
+    settle_and_sync(&mut n, &mut disks);
+    n.h[0].recv();
+    assert!(n.h[0].closed.contains(&sensor));
+    // (Connection numbers are given again.)
+    n.h[0].closed.clear();
+    settle_and_sync(&mut n, &mut disks);
+    assert_no_will_copies(&n);
+    tick_by(&mut n, 0, 6_000);
+    owners_tick(&mut n, &mut disks, 6_000);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    // A later connection of the sensor on node 0 is not touched by the old word.
+    let again = connect_on(&mut n, 0, sensor_connect());
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[1].e.will_stats().held, 1);
+    n.h[0].recv();
+    assert!(!n.h[0].closed.contains(&again));
 }

@@ -21,10 +21,11 @@
 //! connections left). At a map change the home copies its wills to the current owners, and
 //! owners drop the copies of partitions they lost.
 //!
-//! Not covered: a home that was only cut off or paused for the takeover time keeps its
-//! connection after its will was published (as sessions can live on both sides of a
-//! split); if that connection later ends abnormally, its will is published again. Copies
-//! live in memory: an owner that restarts while the home is down has none.
+//! A home that was only cut off or paused keeps its connections meanwhile: the owner that
+//! published a will tells it so when their link comes up (`WillFired`), and the home closes
+//! that connection (0x8E) without publishing the will again; the client reconnects as it
+//! would after a takeover. Copies, and what an owner has yet to tell, live in memory: an
+//! owner that restarts while the home is down has none.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -51,8 +52,15 @@ pub(super) struct Wills {
     out: HashMap<SessionId, Stamp>,
     /// Copies held for connections on other nodes, by client id.
     held: HashMap<Arc<str>, HeldWill>,
+    /// Wills this node published for connections on nodes out of its reach, to tell those
+    /// nodes when their links come up (home key, client id, version).
+    fired: Vec<(u64, Arc<str>, Stamp)>,
     pub(super) stats: WillStats,
 }
+
+/// Published wills remembered at most until their nodes are back (a node gone for good is
+/// never back: past this, the oldest are forgotten).
+const FIRED_MAX: usize = 1 << 16;
 
 #[derive(Default, Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WillStats {
@@ -133,6 +141,42 @@ impl Engine {
         self.wills.held.retain(|_, w| w.home != key);
         self.wills.stats.held = self.wills.held.len() as u64;
         self.send_wills(Some(peer));
+        if self.wills.fired.iter().any(|f| f.0 == key) {
+            let fired = std::mem::take(&mut self.wills.fired);
+            for (home, client, stamp) in fired {
+                if home == key {
+                    self.cluster.queue_will_fired(peer, &client, stamp);
+                } else {
+                    self.wills.fired.push((home, client, stamp));
+                }
+            }
+        }
+    }
+
+    /// An owner published the will of our connection `client_id` (version `stamp`) while
+    /// this node was out of its reach: that connection ends here, without the will.
+    pub(super) fn will_fired_received(&mut self, client_id: &str, stamp: Stamp, now: u64) {
+        let Some(&sid) = self.by_client.get(client_id) else {
+            return;
+        };
+        if self.wills.out.get(&sid) != Some(&stamp) {
+            // That connection ended meanwhile (its will went with it, or was discarded).
+            return;
+        }
+        // Closed below, it tells the owners it ended (`WillGone`), as any end does.
+        let Some(conn) = self.session(sid).and_then(|s| s.conn) else {
+            return;
+        };
+        if let Some(c) = self.conn_mut(conn) {
+            c.will = None;
+        }
+        self.close(
+            conn,
+            Some(0x8E),
+            "its will was published by another node while this one was out of reach",
+            false,
+            now,
+        );
     }
 
     /// After a map change: copies of partitions this node no longer owns go, and the
@@ -223,7 +267,7 @@ impl Engine {
         let w = self.wills.held.remove(client_id).expect("checked");
         self.wills.stats.held = self.wills.held.len() as u64;
         if self.first_owner_up(client_id, home) {
-            self.publish_held_will(client_id, w.will, now);
+            self.publish_held_will(client_id, w, now);
         }
     }
 
@@ -254,7 +298,7 @@ impl Engine {
             let w = self.wills.held.remove(&client).expect("listed");
             let home = self.cluster.peer_by_key(w.home);
             if self.first_owner_up(&client, home) {
-                self.publish_held_will(&client, w.will, now);
+                self.publish_held_will(&client, w, now);
             }
         }
         self.wills.stats.held = self.wills.held.len() as u64;
@@ -272,14 +316,22 @@ impl Engine {
         first == Some(THIS_NODE)
     }
 
-    fn publish_held_will(&mut self, client_id: &str, will: LastWill, now: u64) {
+    fn publish_held_will(&mut self, client_id: &str, w: HeldWill, now: u64) {
         self.wills.stats.published += 1;
+        let client: Arc<str> = Arc::from(client_id);
         self.event(
             "will_published_for_dead_node",
-            Arc::from(client_id),
-            format!("the will of a connection on a dead node, on {}", will.topic),
+            client.clone(),
+            format!(
+                "the will of a connection on a dead node, on {}",
+                w.will.topic
+            ),
         );
-        self.publish_will(will, BROKER_ORIGIN, now);
+        if self.wills.fired.len() >= FIRED_MAX {
+            self.wills.fired.remove(0);
+        }
+        self.wills.fired.push((w.home, client, w.stamp));
+        self.publish_will(w.will, BROKER_ORIGIN, now);
     }
 
     pub fn will_stats(&self) -> WillStats {

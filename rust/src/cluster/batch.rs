@@ -69,6 +69,7 @@ const ITEM_KEPT_STATE: u8 = 22;
 /// Protocol 9.
 const ITEM_WILL_COPY: u8 = 23;
 const ITEM_WILL_GONE: u8 = 24;
+const ITEM_WILL_FIRED: u8 = 25;
 /// `KeptAsk` flags.
 const ASK_AGAIN: u8 = 1;
 const ASK_APPLIED: u8 = 2;
@@ -294,6 +295,13 @@ pub enum Item<'a> {
         client_id: &'a str,
         stamp: Stamp,
     },
+    /// The sender, an owner of `client_id`'s partition, published the will of its
+    /// connection with version `stamp` on the receiver while the receiver was out of its
+    /// reach (protocol 9): the receiver closes that connection, without the will.
+    WillFired {
+        client_id: &'a str,
+        stamp: Stamp,
+    },
     /// The sender applied the receiver's reliable batches of its incarnation `epoch` up to
     /// `seq` and its copies of what they stored are acknowledged (the header's acknowledgement
     /// says applied only): the receiver's publishers may be acknowledged.
@@ -508,6 +516,10 @@ impl ItemWriter {
 
     pub fn will_gone(&mut self, client_id: &str, stamp: Stamp) {
         self.session_stamp(ITEM_WILL_GONE, client_id, stamp);
+    }
+
+    pub fn will_fired(&mut self, client_id: &str, stamp: Stamp) {
+        self.session_stamp(ITEM_WILL_FIRED, client_id, stamp);
     }
 
     pub fn relay_end(&mut self, client_id: &str) {
@@ -876,6 +888,10 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
             client_id: client_id(r.bytes()?)?,
             stamp: read_stamp(r)?,
         },
+        ITEM_WILL_FIRED => Item::WillFired {
+            client_id: client_id(r.bytes()?)?,
+            stamp: read_stamp(r)?,
+        },
         ITEM_KEPT_STATE => {
             let client_id = client_id(r.bytes()?)?;
             let home = r.u64()?;
@@ -1120,6 +1136,7 @@ mod tests {
         w.relay_end("dev-4");
         w.will_copy("dev-6", stamp, b"will");
         w.will_gone("dev-6", stamp);
+        w.will_fired("dev-6", stamp);
         w.kept_state("dev-4", 99, &[mark], [7u128 << 64 | 3, 1].into_iter());
         w.safe(8, 9);
         let subs = [
@@ -1246,6 +1263,10 @@ mod tests {
                     will: b"will"
                 },
                 Item::WillGone {
+                    client_id: "dev-6",
+                    stamp
+                },
+                Item::WillFired {
                     client_id: "dev-6",
                     stamp
                 },
