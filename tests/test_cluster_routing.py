@@ -1008,6 +1008,38 @@ def test_wills_of_clean_sessions_on_a_killed_node_are_published_once(tmp_path):
         watcher.disconnect()
 
 
+def test_a_node_cut_off_past_the_failure_timeout_ends_the_connection_whose_will_went_out(
+    tmp_path,
+):
+    """n1's links are cut for longer than the failure timeout while "sensor" (clean
+    session, with a will) stays connected to it: an owner of its partition publishes the
+    will. Once the links are back, n1 learns of it and closes the connection, without a
+    second will."""
+    with Cluster(tmp_path) as cluster:
+        n1, n2, n3 = start_cluster(cluster, 3)
+        watcher = Client(endpoint(n3), client_id=unique("watch"), version=5)
+        watcher.connect()
+        watcher.subscribe("wills/#", qos=1)
+        wait_rows(n1, "n3", 1)
+        sensor, _ = r.connect_client(
+            n1.ip, n1.mqtt_port, unique("sensor"), will_topic="wills/s", will_payload=b"off"
+        )
+
+        def held() -> float:
+            return metric(n2, "cluster_will_copies") + metric(n3, "cluster_will_copies")
+
+        wait_for(lambda: held() >= 1, 5, "will copies", n2, n3)
+        n1.block(["n2", "n3"])
+        got = watcher.expect(1, 15.0)
+        assert [(m.topic, m.payload) for m in got] == [("wills/s", b"off")]
+        n1.block([])
+        sensor.settimeout(30.0)
+        assert sensor.recv(1) == b""  # closed by n1 (3.1.1: no DISCONNECT)
+        assert watcher.drain(1.5) == []
+        sensor.close()
+        watcher.disconnect()
+
+
 def test_sessions_of_a_killed_node_live_on_with_every_acknowledged_message_and_one_will(tmp_path):
     """n1 holds three persistent sessions: "dev" offline with 300 QoS 1 messages queued
     (published and acknowledged on n2), "lamp" connected with a will, "brief" offline with a
