@@ -422,6 +422,12 @@ class BrokerCollector:
             "Wills of connections on a dead node this node published from its copy",
             wills["published"],
         )
+        yield counter(
+            "cluster_will_copies_refused",
+            "Will copies from other nodes refused: for a partition this node does not own, or "
+            "unreadable",
+            wills["refused"],
+        )
         copies = dataplane.engine.replica_stats()
         yield gauge(
             "cluster_session_copies",

@@ -68,7 +68,7 @@ pub struct WillStats {
     pub held: u64,
     /// Wills of other nodes' connections this node published (their node died).
     pub published: u64,
-    /// Will copies refused (this node does not own the client id's partition).
+    /// Will copies refused: for a partition this node does not own, or unreadable.
     pub refused: u64,
 }
 

@@ -72,7 +72,8 @@ MAGIC = "fastbroker-cluster"
 # relays until then rather than for a fixed 5 s; a session installed from a dead home's
 # copy that moves on carries what was kept for that home with it (KeptState). Version 9: a
 # node copies the will of a connection whose session ends with it to the partition's owners
-# (WillCopy, WillGone), which publish it if that node dies.
+# (WillCopy, WillGone), which publish it if that node dies, and tell it if it was only out of
+# reach (WillFired).
 PROTOCOL_MIN = 2
 PROTOCOL_MAX = 9
 
