@@ -955,6 +955,20 @@ def metric(node: Node, name: str) -> float:
 PREFIX = "fastbroker_"
 
 
+def watch_wills(node: Node, *publishers: Node) -> Client:
+    """A subscriber to wills/# on `node`, once `publishers` have its route row."""
+    watcher = Client(endpoint(node), client_id=unique("watch"), version=5)
+    watcher.connect()
+    watcher.subscribe("wills/#", qos=1)
+    for p in publishers:
+        wait_rows(p, node.node_id, 1)
+    return watcher
+
+
+def will_copies(*nodes: Node) -> float:
+    return sum(metric(n, "cluster_will_copies") for n in nodes)
+
+
 def test_wills_of_clean_sessions_on_a_killed_node_are_published_once(tmp_path):
     """The usual fleet pattern: devices with clean sessions and a will ("offline") on n1.
     "sensor" stays connected, "quiet" says DISCONNECT first (no will), "back" reconnects
@@ -963,11 +977,7 @@ def test_wills_of_clean_sessions_on_a_killed_node_are_published_once(tmp_path):
     timeout, from an owner of its partition; nothing more when n1 comes back."""
     with Cluster(tmp_path) as cluster:
         n1, n2, n3 = start_cluster(cluster, 3)
-        watcher = Client(endpoint(n3), client_id=unique("watch"), version=5)
-        watcher.connect()
-        watcher.subscribe("wills/#", qos=1)
-        wait_rows(n1, "n3", 1)
-        wait_rows(n2, "n3", 1)
+        watcher = watch_wills(n3, n1, n2)
         ids = {name: unique(name) for name in ("sensor", "quiet", "back")}
         socks = {}
         for name, cid in ids.items():
@@ -975,14 +985,11 @@ def test_wills_of_clean_sessions_on_a_killed_node_are_published_once(tmp_path):
                 n1.ip, n1.mqtt_port, cid, will_topic=f"wills/{name}", will_payload=b"offline"
             )
 
-        def held() -> int:
-            return sum(metric(n, "cluster_will_copies") for n in (n2, n3))
-
         # Each will is copied to the owners of its partition besides n1 (1 or 2 of them).
-        wait_for(lambda: held() >= 3, 5, "will copies", n2, n3)
-        before = held()
+        wait_for(lambda: will_copies(n2, n3) >= 3, 5, "will copies", n2, n3)
+        before = will_copies(n2, n3)
         socks["quiet"].sendall(r.disconnect())
-        wait_for(lambda: held() < before, 5, "quiet's will copies dropped", n2, n3)
+        wait_for(lambda: will_copies(n2, n3) < before, 5, "quiet's will copies dropped", n2, n3)
         n1.kill()
         killed = time.monotonic()
         # "back" reconnects on n2 before the failure timeout (once n2 and n3 saw the link
@@ -1017,18 +1024,12 @@ def test_a_node_cut_off_past_the_failure_timeout_ends_the_connection_whose_will_
     second will."""
     with Cluster(tmp_path) as cluster:
         n1, n2, n3 = start_cluster(cluster, 3)
-        watcher = Client(endpoint(n3), client_id=unique("watch"), version=5)
-        watcher.connect()
-        watcher.subscribe("wills/#", qos=1)
-        wait_rows(n1, "n3", 1)
+        watcher = watch_wills(n3, n1)
         sensor, _ = r.connect_client(
             n1.ip, n1.mqtt_port, unique("sensor"), will_topic="wills/s", will_payload=b"off"
         )
 
-        def held() -> float:
-            return metric(n2, "cluster_will_copies") + metric(n3, "cluster_will_copies")
-
-        wait_for(lambda: held() >= 1, 5, "will copies", n2, n3)
+        wait_for(lambda: will_copies(n2, n3) >= 1, 5, "will copies", n2, n3)
         n1.block(["n2", "n3"])
         got = watcher.expect(1, 15.0)
         assert [(m.topic, m.payload) for m in got] == [("wills/s", b"off")]
