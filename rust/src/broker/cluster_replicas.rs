@@ -826,16 +826,7 @@ impl Engine {
         session.pending_will = None;
         let client = session.client_id.clone();
         if let Some(conn) = session.conn {
-            if let Some(c) = self.conn_mut(conn) {
-                c.will = None;
-            }
-            self.close(
-                conn,
-                Some(0x8E),
-                "session lives on another node",
-                false,
-                now,
-            );
+            self.close_for_another_node(conn, "session lives on another node", now);
         }
         Some(client)
     }

@@ -139,7 +139,6 @@ impl Engine {
     pub(super) fn wills_link_up(&mut self, peer: PeerId) {
         let key = self.cluster.peer_key(peer);
         self.wills.held.retain(|_, w| w.home != key);
-        self.wills.stats.held = self.wills.held.len() as u64;
         self.send_wills(Some(peer));
         if self.wills.fired.iter().any(|f| f.0 == key) {
             let fired = std::mem::take(&mut self.wills.fired);
@@ -167,14 +166,9 @@ impl Engine {
         let Some(conn) = self.session(sid).and_then(|s| s.conn) else {
             return;
         };
-        if let Some(c) = self.conn_mut(conn) {
-            c.will = None;
-        }
-        self.close(
+        self.close_for_another_node(
             conn,
-            Some(0x8E),
             "its will was published by another node while this one was out of reach",
-            false,
             now,
         );
     }
@@ -182,12 +176,10 @@ impl Engine {
     /// After a map change: copies of partitions this node no longer owns go, and the
     /// owners get the wills of this node's connections.
     pub(super) fn wills_map_changed(&mut self) {
-        let held = std::mem::take(&mut self.wills.held);
-        self.wills.held = held
-            .into_iter()
-            .filter(|(client, _)| self.replicas.is_owner(client))
-            .collect();
-        self.wills.stats.held = self.wills.held.len() as u64;
+        let replicas = &self.replicas;
+        self.wills
+            .held
+            .retain(|client, _| replicas.is_owner(client));
         self.send_wills(None);
     }
 
@@ -232,7 +224,6 @@ impl Engine {
         self.wills
             .held
             .insert(Arc::from(client_id), HeldWill { home, stamp, will });
-        self.wills.stats.held = self.wills.held.len() as u64;
     }
 
     /// The connection of `client_id` with version `stamp` ended on peer `peer`.
@@ -245,7 +236,6 @@ impl Engine {
             .is_some_and(|w| w.home == home && w.stamp <= stamp)
         {
             self.wills.held.remove(client_id);
-            self.wills.stats.held = self.wills.held.len() as u64;
         }
     }
 
@@ -265,7 +255,6 @@ impl Engine {
             return;
         }
         let w = self.wills.held.remove(client_id).expect("checked");
-        self.wills.stats.held = self.wills.held.len() as u64;
         if self.first_owner_up(client_id, home) {
             self.publish_held_will(client_id, w, now);
         }
@@ -301,7 +290,6 @@ impl Engine {
                 self.publish_held_will(&client, w, now);
             }
         }
-        self.wills.stats.held = self.wills.held.len() as u64;
     }
 
     /// Whether this node is the first owner of `client_id`'s partition that is up, besides
@@ -335,6 +323,9 @@ impl Engine {
     }
 
     pub fn will_stats(&self) -> WillStats {
-        self.wills.stats
+        WillStats {
+            held: self.wills.held.len() as u64,
+            ..self.wills.stats
+        }
     }
 }

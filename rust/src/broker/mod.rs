@@ -495,6 +495,15 @@ impl Engine {
         self.close_logged(id, reason, reason.unwrap_or(0), detail, abnormal, now);
     }
 
+    /// Closes `id` with 0x8E and without its will: what it stood for lives on, or was
+    /// published, on another node (the cluster's parts).
+    fn close_for_another_node(&mut self, id: ConnId, detail: &str, now: u64) {
+        if let Some(c) = self.conn_mut(id) {
+            c.will = None;
+        }
+        self.close(id, Some(0x8E), detail, false, now);
+    }
+
     /// `close`, with the reason code the access log records (a client's DISCONNECT code).
     fn close_logged(
         &mut self,
