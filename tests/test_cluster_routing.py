@@ -1015,6 +1015,34 @@ def test_wills_of_clean_sessions_on_a_killed_node_are_published_once(tmp_path):
         watcher.disconnect()
 
 
+def test_a_node_killed_and_restarted_at_once_has_its_dead_connections_wills_published(
+    tmp_path,
+):
+    """A supervisor (systemd, Kubernetes) brings a SIGKILLed node back well within the
+    failure timeout (20 s here): its clean-session connections died with it, so their wills
+    go out once it is back, from an owner of their partitions, and not again later."""
+    with Cluster(tmp_path, settings={"failure_timeout_ms": 20_000}) as cluster:
+        n1, n2, n3 = start_cluster(cluster, 3)
+        watcher = watch_wills(n3, n1, n2)
+        sensor, _ = r.connect_client(
+            n1.ip, n1.mqtt_port, unique("sensor"), will_topic="wills/s", will_payload=b"off"
+        )
+
+        wait_for(lambda: will_copies(n2, n3) >= 1, 5, "will copies", n2, n3)
+        n1.kill()
+        killed = time.monotonic()
+        cluster.start(1, join=cluster.seeds(2))
+        got = watcher.expect(1, 15.0)
+        assert [(m.topic, m.payload) for m in got] == [("wills/s", b"off")]
+        assert time.monotonic() - killed < 20.0
+        assert will_copies(n2, n3) == 0
+        published = sum(metric(n, "cluster_wills_published_for_dead_nodes") for n in (n2, n3))
+        assert published == 1
+        assert watcher.drain(1.5) == []
+        sensor.close()
+        watcher.disconnect()
+
+
 def test_a_node_cut_off_past_the_failure_timeout_ends_the_connection_whose_will_went_out(
     tmp_path,
 ):

@@ -1520,16 +1520,18 @@ impl Engine {
                 self.release_link_waiters();
             }
         }
-        let c = &mut self.cluster;
         if h.seq != 0 {
-            let peer = c.peer_mut(id).expect("checked");
+            let peer = self.cluster.peer_mut(id).expect("checked");
             if h.epoch != peer.recv_epoch {
                 // The peer restarted: its numbering starts again.
                 peer.recv_epoch = h.epoch;
                 peer.recv_seq = 0;
                 peer.recv_held.clear();
                 peer.safe_sent = 0;
+                self.wills_home_restarted(id, h.epoch, now);
             }
+            let c = &mut self.cluster;
+            let peer = c.peer_mut(id).expect("checked");
             peer.ack_due = true;
             c.has_output = true;
             let peer = c.peer_mut(id).expect("checked");
@@ -1659,7 +1661,7 @@ impl Engine {
                     client_id,
                     stamp,
                     will,
-                } => self.will_copy_received(id, client_id, stamp, will),
+                } => self.will_copy_received(id, h.epoch, client_id, stamp, will),
                 Item::WillGone { client_id, stamp } => {
                     self.will_gone_received(id, client_id, stamp);
                 }

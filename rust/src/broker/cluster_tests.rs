@@ -2650,14 +2650,35 @@ fn a_client_back_on_another_node_before_the_takeover_time_gets_its_old_will_publ
     assert!(n.h[2].recv_one(back).is_empty());
 }
 
+/// Node 0 (dead: its links cut) comes back `later` ms after its last moment from its disk,
+/// a new incarnation `epoch` with the partition owners of `will_holder_on_node0`.
+fn node0_restarts(n: &mut Nodes, disks: &mut [Disk], later: u64, epoch: u64) {
+    let cfg = Config {
+        cluster_takeover_ms: 5_000,
+        ..durable()
+    };
+    let (mut h0, _) = restart_with(&disks[0], n.h[0].now + later, cfg);
+    h0.e.cluster_start(epoch, "node0");
+    for j in 1..n.h.len() {
+        n.peer[0][j] = h0.e.cluster_add_peer(&format!("node{j}"));
+    }
+    n.h[0] = h0;
+    protocol(n, 9);
+    set_map(n, 0, &[1, 2], 1);
+    n.heal_link(0, 1);
+    n.heal_link(0, 2);
+    settle_and_sync(n, disks);
+}
+
 #[test]
-fn a_node_back_after_a_restart_has_the_wills_it_held_dropped_and_its_live_ones_sent_again() {
+fn a_link_that_drops_and_comes_back_keeps_the_will_copies() {
     let (mut n, mut disks, _, watcher) = will_holder_on_node0();
-    // Node 1's link to node 0 drops and comes back: node 0 sends the will again.
+    // Node 1's link to node 0 drops and comes back: the copy stays (node 0 sends it again).
     n.cut_link(0, 1);
     n.heal_link(0, 1);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(n.h[1].e.will_stats().held, 1);
+    assert!(n.h[2].recv_one(watcher).is_empty());
     // Dead for good now: published once.
     node0_dies(&mut n);
     owners_tick(&mut n, &mut disks, 6_000);
@@ -2729,4 +2750,43 @@ fn a_node_back_from_out_of_reach_closes_the_connection_whose_will_was_published(
     assert_eq!(n.h[1].e.will_stats().held, 1);
     n.h[0].recv();
     assert!(!n.h[0].closed.contains(&again));
+}
+
+#[test]
+fn a_node_killed_and_back_before_the_takeover_time_has_its_dead_connections_wills_published() {
+    let (mut n, mut disks, _, watcher) = will_holder_on_node0();
+    // A persistent subscriber on node 1, and a QoS 1 message for it that node 0 keeps on
+    // its disk while their link is down: node 0 sends that batch of its old incarnation
+    // first when it comes back.
+    let lamp = connect_on(&mut n, 1, persistent_v5("lamp"));
+    n.h[1].subscribe(lamp, "cmd/#", QoS::AtLeastOnce);
+    settle_and_sync(&mut n, &mut disks);
+    let publisher = connect_on(
+        &mut n,
+        0,
+        super::tests::connect("pub", Protocol::V311, true),
+    );
+    n.cut_link(0, 1);
+    n.h[0].publish(publisher, "cmd/x", "kept", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    // Killed, and restarted by its supervisor a second later (the takeover time is 5 s):
+    // the sensor's connection died with it, so node 1 publishes its will, once.
+    node0_dies(&mut n);
+    owners_tick(&mut n, &mut disks, 1_000);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    node0_restarts(&mut n, &mut disks, 1_000, 777);
+    assert_eq!(payloads(&n.h[1].recv_one(lamp)), ["kept"]);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
+    assert_eq!(n.h[1].e.will_stats().published, 1);
+    assert_eq!(n.h[2].e.will_stats().published, 0);
+    assert_no_will_copies(&n);
+    owners_tick(&mut n, &mut disks, 10_000);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    // The sensor back on node 0: its new connection's will is copied, and stays.
+    let again = connect_on(&mut n, 0, sensor_connect());
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[1].e.will_stats().held, 1);
+    n.h[0].recv();
+    assert!(!n.h[0].closed.contains(&again));
+    assert!(n.h[2].recv_one(watcher).is_empty());
 }

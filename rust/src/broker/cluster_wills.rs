@@ -10,16 +10,18 @@
 //! the connection ends (`WillGone`: the will was published here, or discarded by a
 //! DISCONNECT). An owner holds the copies in memory and publishes one, once, when:
 //! - the home has been down for the takeover time (as sessions are taken over), and this
-//!   node is the first owner up besides the home; the others drop theirs; or
+//!   node is the first owner up besides the home; the others drop theirs;
 //! - a claim for the client id arrives while the home is down (the client reconnected
 //!   elsewhere before the takeover time): the first owner up publishes it before it
 //!   answers, so the will comes before anything the new connection publishes, as a takeover
-//!   on one node.
+//!   on one node; or
+//! - the home restarted before the takeover time (a supervisor brings a killed node back in
+//!   a second or two): its first reliable batch of a new incarnation shows that every
+//!   connection of the old one died, and the first owner up publishes their wills.
 //!
 //! When a link comes up, its node sends the owners the wills of its live connections
-//! again, and the owners drop what they held for it before (a home that restarted has no
-//! connections left). At a map change the home copies its wills to the current owners, and
-//! owners drop the copies of partitions they lost.
+//! again (an owner that restarted has none). At a map change the home copies its wills to
+//! the current owners, and owners drop the copies of partitions they lost.
 //!
 //! A home that was only cut off or paused keeps its connections meanwhile: the owner that
 //! published a will tells it so when their link comes up (`WillFired`), and the home closes
@@ -42,6 +44,8 @@ use crate::store::records;
 struct HeldWill {
     /// The key of the node that holds the connection.
     home: u64,
+    /// The home's incarnation that sent the copy (its batches' epoch).
+    epoch: u64,
     stamp: Stamp,
     will: LastWill,
 }
@@ -134,11 +138,12 @@ impl Engine {
         }
     }
 
-    /// Peer `peer`'s link came up: what it held here is replaced by what it sends now, and
-    /// it gets the wills of our connections it owns.
+    /// Peer `peer`'s link came up: it gets the wills of our connections it owns, and those
+    /// this node published for it meanwhile. (What it held here stays: the connections
+    /// that ended meanwhile say so in its reliable batches, sent again; if it restarted,
+    /// its first batch of the new incarnation says that, `wills_home_restarted`.)
     pub(super) fn wills_link_up(&mut self, peer: PeerId) {
         let key = self.cluster.peer_key(peer);
-        self.wills.held.retain(|_, w| w.home != key);
         self.send_wills(Some(peer));
         if self.wills.fired.iter().any(|f| f.0 == key) {
             let fired = std::mem::take(&mut self.wills.fired);
@@ -184,9 +189,11 @@ impl Engine {
     }
 
     /// Peer `peer` holds connection `client_id` (version `stamp`) with this will.
+    /// (`epoch`: the incarnation of the peer whose batch brought it.)
     pub(super) fn will_copy_received(
         &mut self,
         peer: PeerId,
+        epoch: u64,
         client_id: &str,
         stamp: Stamp,
         will: &[u8],
@@ -221,9 +228,41 @@ impl Engine {
         {
             return;
         }
-        self.wills
+        self.wills.held.insert(
+            Arc::from(client_id),
+            HeldWill {
+                home,
+                epoch,
+                stamp,
+                will,
+            },
+        );
+    }
+
+    /// Peer `peer`'s reliable batches now come from incarnation `epoch`: it restarted, and
+    /// the connections of the one before died with it. Their wills are published now (by
+    /// the first owner up), as after the takeover time. Reliable batches of one link come
+    /// in incarnation order (a restarted node's kept batches are acknowledged before its new
+    /// ones go), so a copy from an older incarnation does not arrive after this.
+    pub(super) fn wills_home_restarted(&mut self, peer: PeerId, epoch: u64, now: u64) {
+        if self.wills.held.is_empty() {
+            return;
+        }
+        let key = self.cluster.peer_key(peer);
+        let dead: Vec<Arc<str>> = self
+            .wills
             .held
-            .insert(Arc::from(client_id), HeldWill { home, stamp, will });
+            .iter()
+            .filter(|(_, w)| w.home == key && w.epoch != epoch)
+            .map(|(c, _)| c.clone())
+            .collect();
+        for client in dead {
+            let w = self.wills.held.remove(&client).expect("listed");
+            if self.first_owner_up(&client, Some(peer)) {
+                // The home's new incarnation does not have that connection: nothing to tell.
+                self.publish_held_will(&client, w, false, now);
+            }
+        }
     }
 
     /// The connection of `client_id` with version `stamp` ended on peer `peer`.
@@ -256,7 +295,7 @@ impl Engine {
         }
         let w = self.wills.held.remove(client_id).expect("checked");
         if self.first_owner_up(client_id, home) {
-            self.publish_held_will(client_id, w, now);
+            self.publish_held_will(client_id, w, true, now);
         }
     }
 
@@ -287,7 +326,7 @@ impl Engine {
             let w = self.wills.held.remove(&client).expect("listed");
             let home = self.cluster.peer_by_key(w.home);
             if self.first_owner_up(&client, home) {
-                self.publish_held_will(&client, w, now);
+                self.publish_held_will(&client, w, true, now);
             }
         }
     }
@@ -304,7 +343,9 @@ impl Engine {
         first == Some(THIS_NODE)
     }
 
-    fn publish_held_will(&mut self, client_id: &str, w: HeldWill, now: u64) {
+    /// Publishes will `w` of a connection on another node (`tell_home`: that node may still
+    /// hold the connection, and learns of it when its link comes up).
+    fn publish_held_will(&mut self, client_id: &str, w: HeldWill, tell_home: bool, now: u64) {
         self.wills.stats.published += 1;
         let client: Arc<str> = Arc::from(client_id);
         self.event(
@@ -315,10 +356,12 @@ impl Engine {
                 w.will.topic
             ),
         );
-        if self.wills.fired.len() >= FIRED_MAX {
-            self.wills.fired.remove(0);
+        if tell_home {
+            if self.wills.fired.len() >= FIRED_MAX {
+                self.wills.fired.remove(0);
+            }
+            self.wills.fired.push((w.home, client, w.stamp));
         }
-        self.wills.fired.push((w.home, client, w.stamp));
         self.publish_will(w.will, BROKER_ORIGIN, now);
     }
 
