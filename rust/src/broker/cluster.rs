@@ -567,16 +567,20 @@ impl Cluster {
         self.peer_ref(id).is_some_and(|p| p.up)
     }
 
-    /// Peers whose link has been down for `ms` or more.
-    pub(super) fn down_longer_than(&self, ms: u64, now: u64) -> Vec<PeerId> {
+    /// Peers whose link has been down for `ms` or more. A peer whose link has not come up
+    /// yet in this run counts from the first time it is asked about: a node that just
+    /// started (its links still connecting) does not take its peers for dead.
+    pub(super) fn down_longer_than(&mut self, ms: u64, now: u64) -> Vec<PeerId> {
         self.peers
-            .iter()
+            .iter_mut()
             .enumerate()
-            .filter(|(_, p)| {
-                p.as_ref()
-                    .is_some_and(|p| !p.up && now.saturating_sub(p.down_since) >= ms)
+            .filter_map(|(i, p)| {
+                let p = p.as_mut()?;
+                if !p.up && p.down_since == 0 {
+                    p.down_since = now;
+                }
+                (!p.up && now.saturating_sub(p.down_since) >= ms).then_some(i as PeerId)
             })
-            .map(|(i, _)| i as PeerId)
             .collect()
     }
 

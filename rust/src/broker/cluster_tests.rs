@@ -2790,3 +2790,36 @@ fn a_node_killed_and_back_before_the_takeover_time_has_its_dead_connections_will
     assert!(!n.h[0].closed.contains(&again));
     assert!(n.h[2].recv_one(watcher).is_empty());
 }
+
+#[test]
+fn an_owner_that_restarts_does_not_take_sessions_over_from_homes_whose_links_are_connecting() {
+    let (mut n, mut disks) = copying_nodes(3, &[1, 2], 5_000);
+    protocol(&mut n, 9);
+    offline_session(&mut n, 0, persistent_v5("lamp"), QoS::AtLeastOnce);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[1].e.replica_stats().copies, 1);
+    // Node 1 restarts from its disk and has its map before its links are up.
+    n.cut_link(1, 0);
+    n.cut_link(1, 2);
+    let cfg = Config {
+        cluster_takeover_ms: 5_000,
+        ..durable()
+    };
+    let (mut h1, _) = restart_with(&disks[1], n.h[1].now + 1_000, cfg);
+    h1.e.cluster_start(555, "node1");
+    for j in [0, 2] {
+        n.peer[1][j] = h1.e.cluster_add_peer(&format!("node{j}"));
+    }
+    n.h[1] = h1;
+    protocol(&mut n, 9);
+    set_map(&mut n, 1, &[1, 2], 1);
+    tick_by(&mut n, 1, 100);
+    let d = disks[1].clone();
+    assert_eq!(serve_copy_loads(&mut n.h[1], &d), 0);
+    tick_by(&mut n, 1, 4_000);
+    assert_eq!(serve_copy_loads(&mut n.h[1], &d), 0);
+    // Node 0 stays out of reach for the takeover time: then node 1 takes "lamp" over.
+    tick_by(&mut n, 1, 1_000);
+    assert_eq!(serve_copy_loads(&mut n.h[1], &d), 1);
+    assert_eq!(n.h[1].e.replica_stats().takeovers, 1);
+}
