@@ -1043,6 +1043,47 @@ def test_a_node_killed_and_restarted_at_once_has_its_dead_connections_wills_publ
         watcher.disconnect()
 
 
+def test_after_a_power_cut_of_the_whole_cluster_a_clean_sessions_will_is_published_once(
+    tmp_path,
+):
+    """Every node SIGKILLed at once and started again: the owners read the will copy of
+    "sensor" (clean session, retained will, connected to n1) back from their disks, and one
+    of them publishes it once n1 is back with a new incarnation (or the failure timeout
+    passed)."""
+    with Cluster(tmp_path) as cluster:
+        nodes = start_cluster(cluster, 3)
+        n1, n2, n3 = nodes
+        sensor, _ = r.connect_client(
+            n1.ip,
+            n1.mqtt_port,
+            unique("sensor"),
+            will_topic="wills/power",
+            will_payload=b"off",
+            will_retain=True,
+        )
+        wait_for(lambda: will_copies(n2, n3) >= 1, 5, "will copies", n2, n3)
+        for node in nodes:
+            node.kill()
+        sensor.close()
+        for i in (1, 2, 3):
+            cluster.start(i, wait=False, join=cluster.seeds(*(j for j in (1, 2, 3) if j != i)))
+        for node in nodes:
+            wait_for(lambda n=node: serving(n), 20, "serving again", node)
+        published = lambda: sum(  # noqa: E731
+            metric(n, "cluster_wills_published_for_dead_nodes") for n in nodes
+        )
+        wait_for(lambda: published() >= 1, 10, "the will published", *nodes)
+        watcher = Client(endpoint(n3), client_id=unique("watch"), version=5)
+        watcher.connect()
+        watcher.subscribe("wills/#", qos=1)
+        got = watcher.expect(1, 5.0)
+        assert [(m.topic, m.payload) for m in got] == [("wills/power", b"off")]
+        time.sleep(2.5)  # past the failure timeout: nothing more
+        assert published() == 1
+        assert will_copies(n2, n3) == 0
+        watcher.disconnect()
+
+
 def test_a_node_cut_off_past_the_failure_timeout_ends_the_connection_whose_will_went_out(
     tmp_path,
 ):

@@ -567,6 +567,18 @@ impl Cluster {
         self.peer_ref(id).is_some_and(|p| p.up)
     }
 
+    /// Whether every peer besides `except` is linked and has sent its route rows and
+    /// retained set since (`RetainedSent` comes after the rows on a link), or is in `gone`:
+    /// what is published here now reaches every subscriber on the nodes that can be reached.
+    pub(super) fn routes_known(&self, gone: &[PeerId], except: Option<PeerId>) -> bool {
+        self.peers.iter().enumerate().all(|(i, p)| {
+            let i = i as PeerId;
+            p.as_ref().is_none_or(|p| {
+                (p.up && p.stats.retained_synced) || gone.contains(&i) || Some(i) == except
+            })
+        })
+    }
+
     /// Peers whose link has been down for `ms` or more. A peer whose link has not come up
     /// yet in this run counts from the first time it is asked about: a node that just
     /// started (its links still connecting) does not take its peers for dead.

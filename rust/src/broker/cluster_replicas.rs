@@ -242,6 +242,11 @@ impl Replicas {
             .map_or_else(Vec::new, |m| m.owners(client_id).to_vec())
     }
 
+    /// Whether this node knows the partition map (in this run).
+    pub(super) fn has_map(&self) -> bool {
+        self.map.is_some()
+    }
+
     pub(super) fn is_owner(&self, client_id: &str) -> bool {
         self.map
             .as_ref()

@@ -2650,23 +2650,27 @@ fn a_client_back_on_another_node_before_the_takeover_time_gets_its_old_will_publ
     assert!(n.h[2].recv_one(back).is_empty());
 }
 
-/// Node 0 (dead: its links cut) comes back `later` ms after its last moment from its disk,
-/// a new incarnation `epoch` with the partition owners of `will_holder_on_node0`.
-fn node0_restarts(n: &mut Nodes, disks: &mut [Disk], later: u64, epoch: u64) {
+/// Node `i` (its links cut) comes back `later` ms after its last moment from its disk, a
+/// new incarnation `epoch` with nodes 1 and 2 the owners of every partition, and links to
+/// the nodes in `links`.
+fn restarts(n: &mut Nodes, disks: &mut [Disk], i: usize, later: u64, epoch: u64, links: &[usize]) {
     let cfg = Config {
         cluster_takeover_ms: 5_000,
         ..durable()
     };
-    let (mut h0, _) = restart_with(&disks[0], n.h[0].now + later, cfg);
-    h0.e.cluster_start(epoch, "node0");
-    for j in 1..n.h.len() {
-        n.peer[0][j] = h0.e.cluster_add_peer(&format!("node{j}"));
+    let (mut h, _) = restart_with(&disks[i], n.h[i].now + later, cfg);
+    h.e.cluster_start(epoch, &format!("node{i}"));
+    for j in 0..n.h.len() {
+        if j != i {
+            n.peer[i][j] = h.e.cluster_add_peer(&format!("node{j}"));
+        }
     }
-    n.h[0] = h0;
+    n.h[i] = h;
     protocol(n, 9);
-    set_map(n, 0, &[1, 2], 1);
-    n.heal_link(0, 1);
-    n.heal_link(0, 2);
+    set_map(n, i, &[1, 2], 1);
+    for &j in links {
+        n.heal_link(i, j);
+    }
     settle_and_sync(n, disks);
 }
 
@@ -2774,7 +2778,7 @@ fn a_node_killed_and_back_before_the_takeover_time_has_its_dead_connections_will
     node0_dies(&mut n);
     owners_tick(&mut n, &mut disks, 1_000);
     assert!(n.h[2].recv_one(watcher).is_empty());
-    node0_restarts(&mut n, &mut disks, 1_000, 777);
+    restarts(&mut n, &mut disks, 0, 1_000, 777, &[1, 2]);
     assert_eq!(payloads(&n.h[1].recv_one(lamp)), ["kept"]);
     assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
     assert_eq!(n.h[1].e.will_stats().published, 1);
@@ -2801,18 +2805,7 @@ fn an_owner_that_restarts_does_not_take_sessions_over_from_homes_whose_links_are
     // Node 1 restarts from its disk and has its map before its links are up.
     n.cut_link(1, 0);
     n.cut_link(1, 2);
-    let cfg = Config {
-        cluster_takeover_ms: 5_000,
-        ..durable()
-    };
-    let (mut h1, _) = restart_with(&disks[1], n.h[1].now + 1_000, cfg);
-    h1.e.cluster_start(555, "node1");
-    for j in [0, 2] {
-        n.peer[1][j] = h1.e.cluster_add_peer(&format!("node{j}"));
-    }
-    n.h[1] = h1;
-    protocol(&mut n, 9);
-    set_map(&mut n, 1, &[1, 2], 1);
+    restarts(&mut n, &mut disks, 1, 1_000, 555, &[]);
     tick_by(&mut n, 1, 100);
     let d = disks[1].clone();
     assert_eq!(serve_copy_loads(&mut n.h[1], &d), 0);
@@ -2822,4 +2815,134 @@ fn an_owner_that_restarts_does_not_take_sessions_over_from_homes_whose_links_are
     tick_by(&mut n, 1, 1_000);
     assert_eq!(serve_copy_loads(&mut n.h[1], &d), 1);
     assert_eq!(n.h[1].e.replica_stats().takeovers, 1);
+}
+
+#[test]
+fn an_owner_that_restarts_while_the_home_is_down_still_publishes_its_will() {
+    let (mut n, mut disks, _, watcher) = will_holder_on_node0();
+    // Node 0 dies; node 1 (the first owner) restarts a moment later with the copy from
+    // its disk, and node 2 sees it back.
+    node0_dies(&mut n);
+    n.cut_link(1, 2);
+    restarts(&mut n, &mut disks, 1, 1_000, 556, &[2]);
+    assert_eq!(n.h[1].e.will_stats().held, 1);
+    // Node 2 (not the first owner up) drops its copy at the takeover time; node 1
+    // publishes the will once node 0 has been out of its reach that long too.
+    tick_by(&mut n, 2, 5_000);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    assert_eq!(n.h[2].e.will_stats().held, 0);
+    tick_by(&mut n, 1, 100);
+    tick_by(&mut n, 1, 5_000);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
+    assert_eq!(n.h[1].e.will_stats().published, 1);
+    assert_no_will_copies(&n);
+    // Gone from its disk too: another restart brings nothing back.
+    restarts(&mut n, &mut disks, 1, 1_000, 557, &[2]);
+    assert_eq!(n.h[1].e.will_stats().held, 0);
+}
+
+#[test]
+fn an_owner_and_the_home_both_restarted_publish_the_will_once_the_home_is_back() {
+    let (mut n, mut disks, _, watcher) = will_holder_on_node0();
+    // Both node 0 and node 1 go down (a power cut) and come back within the takeover time.
+    node0_dies(&mut n);
+    n.cut_link(1, 2);
+    restarts(&mut n, &mut disks, 1, 1_000, 558, &[2]);
+    tick_by(&mut n, 2, 1_000);
+    settle_and_sync(&mut n, &mut disks);
+    restarts(&mut n, &mut disks, 0, 2_000, 778, &[1, 2]);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
+    assert_eq!(
+        n.h[1].e.will_stats().published + n.h[2].e.will_stats().published,
+        1
+    );
+    assert_no_will_copies(&n);
+    owners_tick(&mut n, &mut disks, 6_000);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+}
+
+#[test]
+fn an_owner_that_restarts_while_the_home_lives_on_keeps_the_copy() {
+    let (mut n, mut disks, sensor, watcher) = will_holder_on_node0();
+    n.cut_link(1, 0);
+    n.cut_link(1, 2);
+    restarts(&mut n, &mut disks, 1, 1_000, 559, &[0, 2]);
+    assert_eq!(n.h[1].e.will_stats().held, 1);
+    owners_tick(&mut n, &mut disks, 6_000);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    // The connection ends normally: the copies go, on disk too.
+    n.h[0].send(
+        sensor,
+        Packet::Disconnect(crate::codec::Disconnect {
+            reason_code: 0,
+            properties: None,
+        }),
+    );
+    settle_and_sync(&mut n, &mut disks);
+    assert_no_will_copies(&n);
+    assert!(!disks[1].keys().any(|k| k[0] == b'w'));
+}
+
+#[test]
+fn after_a_restart_of_the_whole_cluster_one_owner_publishes_the_will_whatever_order_links_come_up()
+{
+    let (mut n, mut disks, _, watcher) = will_holder_on_node0();
+    // A power cut: every node down, then back. Node 2 hears from node 0's new incarnation
+    // before its link to node 1 (the first owner) is up: it waits rather than publish too.
+    node0_dies(&mut n);
+    n.cut_link(1, 2);
+    restarts(&mut n, &mut disks, 1, 1_000, 560, &[]);
+    restarts(&mut n, &mut disks, 2, 1_000, 561, &[]);
+    let watcher_back = connect_on(
+        &mut n,
+        2,
+        super::tests::connect("watcher2", Protocol::V5, true),
+    );
+    n.h[2].subscribe(watcher_back, "wills/#", QoS::AtLeastOnce);
+    let _ = watcher;
+    restarts(&mut n, &mut disks, 0, 1_000, 779, &[2]);
+    // (Node 1 publishes only once it has node 2's routes: the watcher gets it.)
+    tick_by(&mut n, 2, 1_000);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[2].e.will_stats().published, 0);
+    assert_eq!(n.h[2].e.will_stats().held, 1);
+    // Node 1 hears from node 0, and publishes once it has node 2's routes too; node 2
+    // drops its copy once node 1 is up.
+    n.heal_link(0, 1);
+    tick_by(&mut n, 1, 100);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[1].e.will_stats().published, 0);
+    n.heal_link(1, 2);
+    owners_tick(&mut n, &mut disks, 100);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher_back)), ["offline"]);
+    assert_eq!(n.h[1].e.will_stats().published, 1);
+    assert_eq!(n.h[2].e.will_stats().published, 0);
+    assert_no_will_copies(&n);
+    owners_tick(&mut n, &mut disks, 6_000);
+    assert!(n.h[2].recv_one(watcher_back).is_empty());
+}
+
+#[test]
+fn with_the_first_owner_not_back_from_a_power_cut_the_next_one_publishes_after_the_takeover_time() {
+    let (mut n, mut disks, _, _) = will_holder_on_node0();
+    node0_dies(&mut n);
+    n.cut_link(1, 2);
+    restarts(&mut n, &mut disks, 2, 1_000, 562, &[]);
+    let watcher = connect_on(
+        &mut n,
+        2,
+        super::tests::connect("watcher2", Protocol::V5, true),
+    );
+    n.h[2].subscribe(watcher, "wills/#", QoS::AtLeastOnce);
+    restarts(&mut n, &mut disks, 0, 1_000, 780, &[2]);
+    tick_by(&mut n, 2, 4_000);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    tick_by(&mut n, 2, 1_000);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
+    assert_eq!(n.h[2].e.will_stats().published, 1);
+    assert_eq!(n.h[2].e.will_stats().held, 0);
 }

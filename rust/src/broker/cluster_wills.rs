@@ -8,26 +8,32 @@
 //! with its node. Now such a connection's node sends its will to the other owners of the
 //! partition (`WillCopy`, protocol 9, with the connection's version) and tells them when
 //! the connection ends (`WillGone`: the will was published here, or discarded by a
-//! DISCONNECT). An owner holds the copies in memory and publishes one, once, when:
-//! - the home has been down for the takeover time (as sessions are taken over), and this
-//!   node is the first owner up besides the home; the others drop theirs;
+//! DISCONNECT). Owners keep the copies (in memory, and in their store: record `w`), and
+//! the connection counts as ended when:
+//! - the home has been down for the takeover time (as sessions are taken over);
 //! - a claim for the client id arrives while the home is down (the client reconnected
-//!   elsewhere before the takeover time): the first owner up publishes it before it
-//!   answers, so the will comes before anything the new connection publishes, as a takeover
-//!   on one node; or
+//!   elsewhere before the takeover time): the will is published before the claim is
+//!   answered, so it comes before anything the new connection publishes, as a takeover on
+//!   one node; or
 //! - the home restarted before the takeover time (a supervisor brings a killed node back in
 //!   a second or two): its first reliable batch of a new incarnation shows that every
-//!   connection of the old one died, and the first owner up publishes their wills.
+//!   connection of the old one died.
+//!
+//! Then one owner publishes the will, once (`will_duty`): the first owner besides the home,
+//! in map order, that has not been out of reach for the takeover time, once it has the
+//! routes of every other node in reach. Every owner picks the same one however its links
+//! came up (after a power cut of the whole cluster they connect in any order); the others
+//! drop their copies once it is up.
 //!
 //! When a link comes up, its node sends the owners the wills of its live connections
-//! again (an owner that restarted has none). At a map change the home copies its wills to
+//! again (an owner that lost its disk has none). At a map change the home copies its wills to
 //! the current owners, and owners drop the copies of partitions they lost.
 //!
 //! A home that was only cut off or paused keeps its connections meanwhile: the owner that
 //! published a will tells it so when their link comes up (`WillFired`), and the home closes
 //! that connection (0x8E) without publishing the will again; the client reconnects as it
-//! would after a takeover. Copies, and what an owner has yet to tell, live in memory: an
-//! owner that restarts while the home is down has none.
+//! would after a takeover. (What an owner has yet to tell such a home lives in memory
+//! only.)
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -38,7 +44,16 @@ use super::state::{SessionId, BROKER_ORIGIN};
 use super::{ConnId, Engine};
 use crate::cluster::batch::Stamp;
 use crate::codec::LastWill;
-use crate::store::records;
+use crate::store::{envelope, records};
+
+/// What an owner does with the will of an ended connection (`will_duty`).
+enum Duty {
+    Publish,
+    /// Another owner publishes it.
+    Drop,
+    /// The owner that publishes it is out of reach, for less than the takeover time.
+    Wait,
+}
 
 /// A will held here for a connection on another node.
 struct HeldWill {
@@ -48,6 +63,9 @@ struct HeldWill {
     epoch: u64,
     stamp: Stamp,
     will: LastWill,
+    /// The connection is known to have ended (its home restarted, or its client connected
+    /// elsewhere while the home was down); whether that home may still think it holds it.
+    ended: Option<bool>,
 }
 
 #[derive(Default)]
@@ -59,6 +77,9 @@ pub(super) struct Wills {
     /// Wills this node published for connections on nodes out of its reach, to tell those
     /// nodes when their links come up (home key, client id, version).
     fired: Vec<(u64, Arc<str>, Stamp)>,
+    /// Some copies wait for the owner that publishes them (`Duty::Wait`), or the map
+    /// changed: `settle_wills` looks through them at the next tick.
+    sweep: bool,
     pub(super) stats: WillStats,
 }
 
@@ -181,11 +202,45 @@ impl Engine {
     /// After a map change: copies of partitions this node no longer owns go, and the
     /// owners get the wills of this node's connections.
     pub(super) fn wills_map_changed(&mut self) {
-        let replicas = &self.replicas;
-        self.wills
+        let lost: Vec<Arc<str>> = self
+            .wills
             .held
-            .retain(|client, _| replicas.is_owner(client));
+            .keys()
+            .filter(|client| !self.replicas.is_owner(client))
+            .cloned()
+            .collect();
+        for client in lost {
+            self.take_held(&client);
+        }
+        // Homes no longer in the map are dead, and who publishes may have changed.
+        self.wills.sweep = true;
         self.send_wills(None);
+    }
+
+    /// Takes the will held for `client_id` out (and out of the store).
+    fn take_held(&mut self, client_id: &str) -> Option<HeldWill> {
+        let w = self.wills.held.remove(client_id)?;
+        if self.cfg.durable {
+            self.store_ops
+                .push((records::will_copy_key(client_id), None));
+        }
+        Some(w)
+    }
+
+    /// A will copy read back from the store at start-up.
+    pub(super) fn restore_will_copy(&mut self, client: String, body: &[u8]) -> Result<(), String> {
+        let r = records::decode_will_copy(body).map_err(|e| e.to_string())?;
+        self.wills.held.insert(
+            Arc::from(client),
+            HeldWill {
+                home: r.home,
+                epoch: r.epoch,
+                stamp: r.stamp,
+                will: r.will,
+                ended: None,
+            },
+        );
+        Ok(())
     }
 
     /// Peer `peer` holds connection `client_id` (version `stamp`) with this will.
@@ -207,7 +262,8 @@ impl Engine {
             );
             return;
         }
-        let will = match records::decode_will(will) {
+        let body = will;
+        let will = match records::decode_will(body) {
             Ok(will) => will,
             Err(e) => {
                 self.wills.stats.refused += 1;
@@ -228,6 +284,12 @@ impl Engine {
         {
             return;
         }
+        if self.cfg.durable {
+            let key = records::will_copy_key(client_id);
+            let record = records::encode_will_copy(home, epoch, stamp, body);
+            let value = envelope::seal(&key, &record, self.cfg.compress_above);
+            self.store_ops.push((key, Some(value)));
+        }
         self.wills.held.insert(
             Arc::from(client_id),
             HeldWill {
@@ -235,34 +297,9 @@ impl Engine {
                 epoch,
                 stamp,
                 will,
+                ended: None,
             },
         );
-    }
-
-    /// Peer `peer`'s reliable batches now come from incarnation `epoch`: it restarted, and
-    /// the connections of the one before died with it. Their wills are published now (by
-    /// the first owner up), as after the takeover time. Reliable batches of one link come
-    /// in incarnation order (a restarted node's kept batches are acknowledged before its new
-    /// ones go), so a copy from an older incarnation does not arrive after this.
-    pub(super) fn wills_home_restarted(&mut self, peer: PeerId, epoch: u64, now: u64) {
-        if self.wills.held.is_empty() {
-            return;
-        }
-        let key = self.cluster.peer_key(peer);
-        let dead: Vec<Arc<str>> = self
-            .wills
-            .held
-            .iter()
-            .filter(|(_, w)| w.home == key && w.epoch != epoch)
-            .map(|(c, _)| c.clone())
-            .collect();
-        for client in dead {
-            let w = self.wills.held.remove(&client).expect("listed");
-            if self.first_owner_up(&client, Some(peer)) {
-                // The home's new incarnation does not have that connection: nothing to tell.
-                self.publish_held_will(&client, w, false, now);
-            }
-        }
     }
 
     /// The connection of `client_id` with version `stamp` ended on peer `peer`.
@@ -274,18 +311,18 @@ impl Engine {
             .get(client_id)
             .is_some_and(|w| w.home == home && w.stamp <= stamp)
         {
-            self.wills.held.remove(client_id);
+            self.take_held(client_id);
         }
     }
 
     /// A claim for `client_id` (a peer's, or this node's own): if the connection whose will
-    /// is held here is on a node that is down, its will is published now by the first owner
-    /// up, and the copies go.
+    /// is held here is on a node that is down, its will is published now by the owner whose
+    /// duty it is (`will_duty`), and the copies go.
     pub(super) fn will_on_claim(&mut self, client_id: &str, now: u64) {
         if self.wills.held.is_empty() {
             return;
         }
-        let Some(w) = self.wills.held.get(client_id) else {
+        let Some(w) = self.wills.held.get_mut(client_id) else {
             return;
         };
         let home = self.cluster.peer_by_key(w.home);
@@ -293,54 +330,114 @@ impl Engine {
             // The home serves the claim: it ends the connection and says so.
             return;
         }
-        let w = self.wills.held.remove(client_id).expect("checked");
-        if self.first_owner_up(client_id, home) {
-            self.publish_held_will(client_id, w, true, now);
+        // The home may only be cut off: it learns of it when its link comes up.
+        w.ended = Some(true);
+        self.settle_wills(Some(client_id), now);
+    }
+
+    /// Peer `peer`'s reliable batches now come from incarnation `epoch`: it restarted, and
+    /// the connections of the one before died with it. Their wills are published now (by
+    /// the owner whose duty it is), as after the takeover time. Reliable batches of one link
+    /// come in incarnation order (a restarted node's kept batches are acknowledged before
+    /// its new ones go), so a copy from an older incarnation does not arrive after this.
+    pub(super) fn wills_home_restarted(&mut self, peer: PeerId, epoch: u64, now: u64) {
+        if self.wills.held.is_empty() {
+            return;
+        }
+        let key = self.cluster.peer_key(peer);
+        let mut any = false;
+        for w in self.wills.held.values_mut() {
+            if w.home == key && w.epoch != epoch {
+                // Its new incarnation does not have that connection: nothing to tell it.
+                w.ended = Some(false);
+                any = true;
+            }
+        }
+        if any {
+            self.wills.sweep = true;
+            self.settle_wills(None, now);
         }
     }
 
-    /// Publishes the wills held for connections on nodes down for the takeover time (this
-    /// node publishes those whose first owner up it is; the others drop theirs).
+    /// Publishes the wills held for connections on nodes down for the takeover time, or
+    /// known to have ended, whose publication is this node's duty; drops those another
+    /// owner publishes.
     pub(super) fn wills_tick(&mut self, now: u64) {
         let after = self.cfg.cluster_takeover_ms;
-        if after == 0 || self.wills.held.is_empty() {
+        // Copies read back at start-up wait for the map: until then no node is a peer.
+        if after == 0 || self.wills.held.is_empty() || !self.replicas.has_map() {
             return;
         }
-        let dead: Vec<u64> = self
-            .cluster
-            .down_longer_than(after, now)
-            .into_iter()
-            .map(|p| self.cluster.peer_key(p))
-            .collect();
-        let gone: Vec<Arc<str>> = self
+        self.settle_wills(None, now);
+    }
+
+    /// Acts on the held wills whose connections ended (`only`: that client's alone): each
+    /// is published here, dropped, or kept a while longer (`will_duty`).
+    fn settle_wills(&mut self, only: Option<&str>, now: u64) {
+        let after = self.cfg.cluster_takeover_ms;
+        let gone = self.cluster.down_longer_than(after, now);
+        if only.is_none() && gone.is_empty() && !self.wills.sweep {
+            return;
+        }
+        let gone_keys: Vec<u64> = gone.iter().map(|&p| self.cluster.peer_key(p)).collect();
+        let due: Vec<(Arc<str>, bool)> = self
             .wills
             .held
             .iter()
-            .filter(|(_, w)| {
+            .filter(|(c, _)| only.is_none_or(|o| &***c == o))
+            .filter_map(|(c, w)| {
                 // A home that left the cluster (no longer a peer) is dead too.
-                dead.contains(&w.home) || self.cluster.peer_by_key(w.home).is_none()
+                let dead =
+                    gone_keys.contains(&w.home) || self.cluster.peer_by_key(w.home).is_none();
+                match w.ended {
+                    Some(tell) => Some((c.clone(), tell)),
+                    None if dead => Some((c.clone(), true)),
+                    None => None,
+                }
             })
-            .map(|(c, _)| c.clone())
             .collect();
-        for client in gone {
-            let w = self.wills.held.remove(&client).expect("listed");
-            let home = self.cluster.peer_by_key(w.home);
-            if self.first_owner_up(&client, home) {
-                self.publish_held_will(&client, w, true, now);
+        let mut waiting = false;
+        for (client, tell_home) in due {
+            let home = self.wills.held[&client].home;
+            let home = self.cluster.peer_by_key(home);
+            match self.will_duty(&client, home, &gone) {
+                Duty::Publish => {
+                    let w = self.take_held(&client).expect("listed");
+                    self.publish_held_will(&client, w, tell_home, now);
+                }
+                Duty::Drop => {
+                    self.take_held(&client);
+                }
+                Duty::Wait => waiting = true,
             }
+        }
+        if only.is_none() {
+            self.wills.sweep = waiting;
+        } else {
+            self.wills.sweep |= waiting;
         }
     }
 
-    /// Whether this node is the first owner of `client_id`'s partition that is up, besides
-    /// `home`.
-    fn first_owner_up(&self, client_id: &str, home: Option<PeerId>) -> bool {
+    /// Who publishes the will of `client_id`'s ended connection on `home`: the first owner
+    /// of its partition besides `home`, in map order, that has not been out of reach for
+    /// the takeover time (`gone`). Every owner picks the same one however its links came up
+    /// (a restarted cluster's links connect in any order); it holds a copy of its own. It
+    /// publishes once it knows the routes of every node not gone besides the home (a node
+    /// that just started would miss the subscribers of nodes whose links still connect).
+    fn will_duty(&self, client_id: &str, home: Option<PeerId>, gone: &[PeerId]) -> Duty {
         let first = self
             .replicas
             .owners_of(client_id)
             .into_iter()
             .filter(|&p| Some(p) != home)
-            .find(|&p| p == THIS_NODE || self.cluster.peer_up(p));
-        first == Some(THIS_NODE)
+            .find(|&p| p == THIS_NODE || !gone.contains(&p));
+        match first {
+            Some(THIS_NODE) if self.cluster.routes_known(gone, home) => Duty::Publish,
+            Some(THIS_NODE) => Duty::Wait,
+            // Out of reach for less than the takeover time: it may be connecting still.
+            Some(p) if !self.cluster.peer_up(p) => Duty::Wait,
+            _ => Duty::Drop,
+        }
     }
 
     /// Publishes will `w` of a connection on another node (`tell_home`: that node may still

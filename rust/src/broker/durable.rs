@@ -463,6 +463,9 @@ impl Engine {
             self.restore_outgoing(&peer, epoch, seq, key.to_vec(), body.to_vec());
             return Ok(());
         }
+        if let Key::WillCopy(client) = parsed {
+            return self.restore_will_copy(client, &body);
+        }
         if let Key::Mark { home, node } = parsed {
             let (epoch, seq) = records::decode_mark(&body).map_err(|e| e.to_string())?;
             self.restore_mark(home, Mark { node, epoch, seq });
@@ -470,7 +473,7 @@ impl Engine {
         }
         let r = self.restoring.get_or_insert_with(Box::default);
         match parsed {
-            Key::Outbox { .. } | Key::Copy(..) | Key::Mark { .. } => {
+            Key::Outbox { .. } | Key::Copy(..) | Key::Mark { .. } | Key::WillCopy(_) => {
                 unreachable!("handled above")
             }
             Key::Session(id) => {

@@ -31,6 +31,7 @@ pub const RETAINED: u8 = b'r';
 pub const OUTBOX: u8 = b'o';
 pub const COPY: u8 = b'c';
 pub const MARK: u8 = b'a';
+pub const WILL_COPY: u8 = b'w';
 
 fn client_prefix(kind: u8, client_id: &str, extra: usize) -> Vec<u8> {
     let id = client_id.as_bytes();
@@ -89,6 +90,49 @@ pub fn copy_key(client_id: &str, inner: &[u8]) -> Vec<u8> {
     k
 }
 
+/// The will of a connection on another node whose session ends with it, held by an owner
+/// of its partition (`cluster_wills`).
+pub fn will_copy_key(client_id: &str) -> Vec<u8> {
+    client_prefix(WILL_COPY, client_id, 0)
+}
+
+/// A held will copy: the key of the node holding the connection, that node's incarnation,
+/// the connection's version, and the will as `encode_will` wrote it.
+pub struct WillCopyRecord {
+    pub home: u64,
+    pub epoch: u64,
+    pub stamp: Stamp,
+    pub will: LastWill,
+}
+
+pub fn encode_will_copy(home: u64, epoch: u64, stamp: Stamp, will: &[u8]) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.u64(home)
+        .u64(epoch)
+        .u64(stamp.clock)
+        .u64(stamp.node)
+        .bytes(will);
+    w.buf
+}
+
+pub fn decode_will_copy(body: &[u8]) -> Result<WillCopyRecord, BodyError> {
+    let mut r = Reader::new(body);
+    let home = r.u64()?;
+    let epoch = r.u64()?;
+    let stamp = Stamp {
+        clock: r.u64()?,
+        node: r.u64()?,
+    };
+    let will = decode_will(r.bytes()?)?;
+    r.finish()?;
+    Ok(WillCopyRecord {
+        home,
+        epoch,
+        stamp,
+        will,
+    })
+}
+
 /// How far the home with node key `home` applied the batches of the node with key `node`
 /// (an `Applied` mark kept by an owner of copies of that home's sessions).
 pub fn mark_key(home: u64, node: u64) -> Vec<u8> {
@@ -145,6 +189,8 @@ pub enum Key {
         home: u64,
         node: u64,
     },
+    /// A will copy held for a connection of `client` on another node.
+    WillCopy(String),
 }
 
 pub fn parse_key(key: &[u8]) -> Option<Key> {
@@ -166,6 +212,7 @@ pub fn parse_key(key: &[u8]) -> Option<Key> {
     let tail = &rest[2 + n..];
     match (kind, tail.len()) {
         (SESSION, 0) => Some(Key::Session(id)),
+        (WILL_COPY, 0) => Some(Key::WillCopy(id)),
         (MESSAGE, 8) => Some(Key::Message(id, u64::from_be_bytes(tail.try_into().ok()?))),
         (FLIGHT, 8) => Some(Key::Flight(id, u64::from_be_bytes(tail.try_into().ok()?))),
         (INBOUND, 2) => Some(Key::Inbound(id, u16::from_be_bytes([tail[0], tail[1]]))),
@@ -555,6 +602,11 @@ mod tests {
             })
         );
         assert_eq!(parse_key(&mark_key(3, 4)[..16]), None);
+        assert_eq!(
+            parse_key(&will_copy_key("dev")),
+            Some(Key::WillCopy("dev".into()))
+        );
+        assert_eq!(parse_key(b"w\x00\x03devx"), None);
         assert_eq!(parse_key(b""), None);
         assert_eq!(parse_key(b"m\x00\x05ab"), None);
         assert_eq!(parse_key(b"x\x00\x00"), None);
@@ -662,5 +714,24 @@ mod tests {
             assert!(decode_mark(&mark[..len]).is_err());
         }
         assert!(decode_mark(&[mark.clone(), vec![0]].concat()).is_err());
+        let will = LastWill {
+            topic: "wills/dev".into(),
+            payload: Bytes::from_static(b"offline"),
+            qos: QoS::AtLeastOnce,
+            retain: true,
+            properties: Default::default(),
+        };
+        let stamp = Stamp {
+            clock: 11,
+            node: 12,
+        };
+        let body = encode_will_copy(3, 4, stamp, &encode_will(&will));
+        let held = decode_will_copy(&body).unwrap();
+        assert_eq!((held.home, held.epoch, held.stamp), (3, 4, stamp));
+        assert_eq!(held.will, will);
+        for len in 0..body.len() {
+            assert!(decode_will_copy(&body[..len]).is_err());
+        }
+        assert!(decode_will_copy(&[body, vec![0]].concat()).is_err());
     }
 }
