@@ -192,6 +192,7 @@ impl Engine {
         }
         let wall = self.wall(now);
         let stamp = self.cluster.retained.next(wall);
+        self.answer_older_deferred(&client_id, stamp);
         // A session here discards the others, unless it is one restored at start-up that
         // another node may have taken over meanwhile: then the newest comes here.
         let here = self.by_client.get(&client_id).copied();
@@ -220,6 +221,25 @@ impl Engine {
                 best_copy: None,
             },
         );
+    }
+
+    /// This node claims `client_id` anew with `stamp` (the client connected here again
+    /// before the claim before was done): peers' claims deferred until that one was done
+    /// are now older than ours and get their answer at once, as in `claim_received`, or
+    /// they and ours would each wait for the other until the timeout.
+    fn answer_older_deferred(&mut self, client_id: &str, stamp: Stamp) {
+        if self.claims.deferred.is_empty() {
+            return;
+        }
+        let deferred = std::mem::take(&mut self.claims.deferred);
+        for (peer, id, theirs, discard) in deferred {
+            if &*id == client_id && theirs < stamp {
+                self.cluster
+                    .queue_claim_answer(peer, client_id, theirs, &[], None, &[]);
+            } else {
+                self.claims.deferred.push((peer, id, theirs, discard));
+            }
+        }
     }
 
     /// A peer claims `client_id`.

@@ -1197,6 +1197,52 @@ fn racing_connects_with_one_client_id_leave_one_session() {
     assert_eq!(n.h[alive[0]].e.session_count(), 1);
 }
 
+/// Delivers the frames node `i` has to send now (and nothing else).
+fn step(n: &mut Nodes, i: usize) {
+    let mut frames = Vec::new();
+    n.h[i].e.drain_cluster(|p, f| frames.push((p, f.to_vec())));
+    for (p, frame) in frames {
+        let j = n.peer[i].iter().position(|&x| x == p).unwrap();
+        let from = n.peer[j][i];
+        let now = n.h[j].now;
+        n.h[j].e.cluster_feed(from, &body_of(&frame), now).unwrap();
+    }
+}
+
+#[test]
+fn a_connect_that_replaces_a_waiting_one_answers_the_claims_it_is_newer_than() {
+    let mut n = Nodes::new(3);
+    protocol3(&mut n);
+    // Node 0 claims "dup"; node 1 claims it a moment later (newer): node 0 defers that
+    // claim until its own is done.
+    let first = n.h[0].open_connect(persistent_v5("dup"));
+    n.h[1].now += 10;
+    let on1 = n.h[1].open_connect(persistent_v5("dup"));
+    step(&mut n, 1);
+    // The client connects to node 0 again, newer still, before the first claim was done:
+    // node 1's claim is now older than node 0's and gets its answer at once (node 1 then
+    // serves the new claim), instead of each waiting for the other until the timeout.
+    n.h[0].now += 20;
+    let again = n.h[0].open_connect(persistent_v5("dup"));
+    n.settle();
+    let mut out0 = n.h[0].recv();
+    let got = out0.remove(&first).unwrap_or_default();
+    assert_eq!(connack(&got).reason_code, 0x89, "{got:?}");
+    let got = n.h[1].recv_one(on1);
+    assert_eq!(connack(&got).reason_code, 0, "{got:?}");
+    assert!(
+        got.iter()
+            .any(|p| matches!(p, Packet::Disconnect(d) if d.reason_code == 0x8E)),
+        "{got:?}"
+    );
+    let got = out0.remove(&again).unwrap_or_default();
+    assert_eq!(connack(&got).reason_code, 0, "{got:?}");
+    assert!(!n.h[0].closed.contains(&again));
+    assert_eq!(n.h[0].e.claim_stats().timed_out, 0);
+    let sessions: usize = n.h.iter().map(|h| h.e.session_count()).sum();
+    assert_eq!(sessions, 1);
+}
+
 #[test]
 fn a_claim_does_not_wait_for_a_peer_that_goes_down() {
     let mut n = Nodes::new(3);
