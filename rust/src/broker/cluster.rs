@@ -1677,7 +1677,7 @@ impl Engine {
                     client_id,
                     stamp,
                     will,
-                } => self.will_copy_received(id, h.epoch, client_id, stamp, will),
+                } => self.will_copy_received(id, h.epoch, client_id, stamp, will, now),
                 Item::WillGone { client_id, stamp } => {
                     self.will_gone_received(id, client_id, stamp);
                 }

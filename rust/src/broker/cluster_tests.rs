@@ -2992,3 +2992,32 @@ fn with_the_first_owner_not_back_from_a_power_cut_the_next_one_publishes_after_t
     assert_eq!(n.h[2].e.will_stats().published, 1);
     assert_eq!(n.h[2].e.will_stats().held, 0);
 }
+
+#[test]
+fn a_will_waiting_for_routes_is_published_before_a_new_connections_copy_replaces_it() {
+    let (mut n, mut disks, _, _) = will_holder_on_node0();
+    // A power cut; node 1 (the first owner) hears from node 0's new incarnation while its
+    // link to node 2 is still down: the will waits for node 2's routes ...
+    node0_dies(&mut n);
+    n.cut_link(1, 2);
+    restarts(&mut n, &mut disks, 1, 1_000, 563, &[]);
+    restarts(&mut n, &mut disks, 2, 1_000, 564, &[]);
+    let watcher = connect_on(
+        &mut n,
+        1,
+        super::tests::connect("watcher1", Protocol::V5, true),
+    );
+    n.h[1].subscribe(watcher, "wills/#", QoS::AtLeastOnce);
+    restarts(&mut n, &mut disks, 0, 1_000, 781, &[1]);
+    assert_eq!(n.h[1].e.will_stats().published, 0);
+    // ... until the sensor is back on node 0, whose new copy would replace it: it goes now.
+    connect_on(&mut n, 0, sensor_connect());
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[1].recv_one(watcher)), ["offline"]);
+    assert_eq!(n.h[1].e.will_stats().published, 1);
+    assert_eq!(n.h[1].e.will_stats().held, 1);
+    n.heal_link(1, 2);
+    owners_tick(&mut n, &mut disks, 6_000);
+    assert!(n.h[1].recv_one(watcher).is_empty());
+    assert_eq!(n.h[2].e.will_stats().published, 0);
+}

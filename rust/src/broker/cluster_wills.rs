@@ -252,6 +252,7 @@ impl Engine {
         client_id: &str,
         stamp: Stamp,
         will: &[u8],
+        now: u64,
     ) {
         if !self.replicas.is_owner(client_id) {
             self.wills.stats.refused += 1;
@@ -276,13 +277,12 @@ impl Engine {
             }
         };
         let home = self.cluster.peer_key(peer);
-        if self
-            .wills
-            .held
-            .get(client_id)
-            .is_some_and(|w| w.stamp > stamp)
-        {
-            return;
+        match self.wills.held.get(client_id) {
+            Some(w) if w.stamp > stamp => return,
+            // The connection it was for ended, and its will waits to go: it goes (or is
+            // left to the owner that publishes it) before the new connection's replaces it.
+            Some(w) if w.ended.is_some() => self.settle_wills(Some(client_id), true, now),
+            _ => {}
         }
         if self.cfg.durable {
             let key = records::will_copy_key(client_id);
@@ -332,7 +332,7 @@ impl Engine {
         }
         // The home may only be cut off: it learns of it when its link comes up.
         w.ended = Some(true);
-        self.settle_wills(Some(client_id), now);
+        self.settle_wills(Some(client_id), false, now);
     }
 
     /// Peer `peer`'s reliable batches now come from incarnation `epoch`: it restarted, and
@@ -355,7 +355,7 @@ impl Engine {
         }
         if any {
             self.wills.sweep = true;
-            self.settle_wills(None, now);
+            self.settle_wills(None, false, now);
         }
     }
 
@@ -368,12 +368,14 @@ impl Engine {
         if after == 0 || self.wills.held.is_empty() || !self.replicas.has_map() {
             return;
         }
-        self.settle_wills(None, now);
+        self.settle_wills(None, false, now);
     }
 
     /// Acts on the held wills whose connections ended (`only`: that client's alone): each
     /// is published here, dropped, or kept a while longer (`will_duty`).
-    fn settle_wills(&mut self, only: Option<&str>, now: u64) {
+    /// (`replaced`: `only`'s copy is about to be replaced by a newer connection's: acted on
+    /// at once.)
+    fn settle_wills(&mut self, only: Option<&str>, replaced: bool, now: u64) {
         let after = self.cfg.cluster_takeover_ms;
         let gone = self.cluster.down_longer_than(after, now);
         if only.is_none() && gone.is_empty() && !self.wills.sweep {
@@ -400,7 +402,16 @@ impl Engine {
         for (client, tell_home) in due {
             let home = self.wills.held[&client].home;
             let home = self.cluster.peer_by_key(home);
-            match self.will_duty(&client, home, &gone) {
+            let duty = match self.will_duty(&client, home, &gone) {
+                // Once this node has the routes of every node in reach (one that just started
+                // would miss the subscribers of nodes whose links still connect), unless the
+                // copy is about to be replaced.
+                Duty::Publish if !replaced && !self.cluster.routes_known(&gone, home) => Duty::Wait,
+                // That owner holds a copy of its own.
+                Duty::Wait if replaced => Duty::Drop,
+                duty => duty,
+            };
+            match duty {
                 Duty::Publish => {
                     let w = self.take_held(&client).expect("listed");
                     self.publish_held_will(&client, w, tell_home, now);
@@ -421,9 +432,7 @@ impl Engine {
     /// Who publishes the will of `client_id`'s ended connection on `home`: the first owner
     /// of its partition besides `home`, in map order, that has not been out of reach for
     /// the takeover time (`gone`). Every owner picks the same one however its links came up
-    /// (a restarted cluster's links connect in any order); it holds a copy of its own. It
-    /// publishes once it knows the routes of every node not gone besides the home (a node
-    /// that just started would miss the subscribers of nodes whose links still connect).
+    /// (a restarted cluster's links connect in any order); it holds a copy of its own.
     fn will_duty(&self, client_id: &str, home: Option<PeerId>, gone: &[PeerId]) -> Duty {
         let first = self
             .replicas
@@ -432,8 +441,7 @@ impl Engine {
             .filter(|&p| Some(p) != home)
             .find(|&p| p == THIS_NODE || !gone.contains(&p));
         match first {
-            Some(THIS_NODE) if self.cluster.routes_known(gone, home) => Duty::Publish,
-            Some(THIS_NODE) => Duty::Wait,
+            Some(THIS_NODE) => Duty::Publish,
             // Out of reach for less than the takeover time: it may be connecting still.
             Some(p) if !self.cluster.peer_up(p) => Duty::Wait,
             _ => Duty::Drop,
