@@ -2602,6 +2602,35 @@ fn node0_dies(n: &mut Nodes) {
     n.cut_link(0, 2);
 }
 
+/// The will reached `watcher` on node `at`, published by node 1 alone, and no copy is left
+/// to publish it again later.
+fn assert_will_published_once_by_node1(
+    n: &mut Nodes,
+    disks: &mut [Disk],
+    at: usize,
+    watcher: crate::broker::ConnId,
+) {
+    assert_eq!(payloads(&n.h[at].recv_one(watcher)), ["offline"]);
+    assert_eq!(n.h[1].e.will_stats().published, 1);
+    assert_eq!(n.h[2].e.will_stats().published, 0);
+    assert_no_will_copies(n);
+    owners_tick(n, disks, 10_000);
+    assert!(n.h[at].recv_one(watcher).is_empty());
+}
+
+/// The sensor on node 0 says DISCONNECT (its will is discarded): the copies go.
+fn sensor_disconnects(n: &mut Nodes, disks: &mut [Disk], sensor: crate::broker::ConnId) {
+    n.h[0].send(
+        sensor,
+        Packet::Disconnect(crate::codec::Disconnect {
+            reason_code: 0,
+            properties: None,
+        }),
+    );
+    settle_and_sync(n, disks);
+    assert_no_will_copies(n);
+}
+
 fn assert_no_will_copies(n: &Nodes) {
     for i in [1, 2] {
         assert_eq!(n.h[i].e.will_stats().held, 0, "node {i}");
@@ -2625,12 +2654,7 @@ fn a_dead_nodes_clean_session_has_its_will_published_once_by_the_first_owner_up(
     assert!(n.h[2].recv_one(watcher).is_empty());
     // ... then node 1, the first owner up, publishes the will; node 2 drops its copy.
     owners_tick(&mut n, &mut disks, 1_000);
-    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
-    assert_eq!(n.h[1].e.will_stats().published, 1);
-    assert_eq!(n.h[2].e.will_stats().published, 0);
-    assert_no_will_copies(&n);
-    owners_tick(&mut n, &mut disks, 10_000);
-    assert!(n.h[2].recv_one(watcher).is_empty());
+    assert_will_published_once_by_node1(&mut n, &mut disks, 2, watcher);
 }
 
 #[test]
@@ -2647,15 +2671,7 @@ fn with_the_first_owner_down_too_the_next_one_publishes_the_will() {
 #[test]
 fn a_will_discarded_by_disconnect_is_not_published_when_its_node_dies_later() {
     let (mut n, mut disks, sensor, watcher) = will_holder_on_node0();
-    n.h[0].send(
-        sensor,
-        Packet::Disconnect(crate::codec::Disconnect {
-            reason_code: 0,
-            properties: None,
-        }),
-    );
-    settle_and_sync(&mut n, &mut disks);
-    assert_no_will_copies(&n);
+    sensor_disconnects(&mut n, &mut disks, sensor);
     node0_dies(&mut n);
     owners_tick(&mut n, &mut disks, 6_000);
     assert!(n.h[2].recv_one(watcher).is_empty());
@@ -2826,12 +2842,7 @@ fn a_node_killed_and_back_before_the_takeover_time_has_its_dead_connections_will
     assert!(n.h[2].recv_one(watcher).is_empty());
     restarts(&mut n, &mut disks, 0, 1_000, 777, &[1, 2]);
     assert_eq!(payloads(&n.h[1].recv_one(lamp)), ["kept"]);
-    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
-    assert_eq!(n.h[1].e.will_stats().published, 1);
-    assert_eq!(n.h[2].e.will_stats().published, 0);
-    assert_no_will_copies(&n);
-    owners_tick(&mut n, &mut disks, 10_000);
-    assert!(n.h[2].recv_one(watcher).is_empty());
+    assert_will_published_once_by_node1(&mut n, &mut disks, 2, watcher);
     // The sensor back on node 0: its new connection's will is copied, and stays.
     let again = connect_on(&mut n, 0, sensor_connect());
     settle_and_sync(&mut n, &mut disks);
@@ -2863,14 +2874,19 @@ fn an_owner_that_restarts_does_not_take_sessions_over_from_homes_whose_links_are
     assert_eq!(n.h[1].e.replica_stats().takeovers, 1);
 }
 
+/// Node 0 dies, and node 1 restarts a moment later from its disk, linked to node 2 only.
+fn node0_dies_and_node1_restarts(n: &mut Nodes, disks: &mut [Disk]) {
+    node0_dies(n);
+    n.cut_link(1, 2);
+    restarts(n, disks, 1, 1_000, 556, &[2]);
+}
+
 #[test]
 fn an_owner_that_restarts_while_the_home_is_down_still_publishes_its_will() {
     let (mut n, mut disks, _, watcher) = will_holder_on_node0();
     // Node 0 dies; node 1 (the first owner) restarts a moment later with the copy from
     // its disk, and node 2 sees it back.
-    node0_dies(&mut n);
-    n.cut_link(1, 2);
-    restarts(&mut n, &mut disks, 1, 1_000, 556, &[2]);
+    node0_dies_and_node1_restarts(&mut n, &mut disks);
     assert_eq!(n.h[1].e.will_stats().held, 1);
     // Node 2 (not the first owner up) drops its copy at the takeover time; node 1
     // publishes the will once node 0 has been out of its reach that long too.
@@ -2893,9 +2909,7 @@ fn an_owner_that_restarts_while_the_home_is_down_still_publishes_its_will() {
 fn an_owner_and_the_home_both_restarted_publish_the_will_once_the_home_is_back() {
     let (mut n, mut disks, _, watcher) = will_holder_on_node0();
     // Both node 0 and node 1 go down (a power cut) and come back within the takeover time.
-    node0_dies(&mut n);
-    n.cut_link(1, 2);
-    restarts(&mut n, &mut disks, 1, 1_000, 558, &[2]);
+    node0_dies_and_node1_restarts(&mut n, &mut disks);
     tick_by(&mut n, 2, 1_000);
     settle_and_sync(&mut n, &mut disks);
     restarts(&mut n, &mut disks, 0, 2_000, 778, &[1, 2]);
@@ -2919,37 +2933,42 @@ fn an_owner_that_restarts_while_the_home_lives_on_keeps_the_copy() {
     owners_tick(&mut n, &mut disks, 6_000);
     assert!(n.h[2].recv_one(watcher).is_empty());
     // The connection ends normally: the copies go, on disk too.
-    n.h[0].send(
-        sensor,
-        Packet::Disconnect(crate::codec::Disconnect {
-            reason_code: 0,
-            properties: None,
-        }),
-    );
-    settle_and_sync(&mut n, &mut disks);
-    assert_no_will_copies(&n);
+    sensor_disconnects(&mut n, &mut disks, sensor);
     assert!(!disks[1].keys().any(|k| k[0] == b'w'));
+}
+
+/// A power cut after `will_holder_on_node0`: every node goes down; the nodes in `back`
+/// restart with no links, a watcher of wills connects on node `watch_on` (returned), then
+/// node 0 restarts with links to `node0_links`.
+fn power_cut(
+    n: &mut Nodes,
+    disks: &mut [Disk],
+    back: &[usize],
+    watch_on: usize,
+    node0_links: &[usize],
+) -> crate::broker::ConnId {
+    node0_dies(n);
+    n.cut_link(1, 2);
+    for &i in back {
+        restarts(n, disks, i, 1_000, 600 + i as u64, &[]);
+    }
+    let watcher = connect_on(
+        n,
+        watch_on,
+        super::tests::connect("watcher-back", Protocol::V5, true),
+    );
+    n.h[watch_on].subscribe(watcher, "wills/#", QoS::AtLeastOnce);
+    restarts(n, disks, 0, 1_000, 800, node0_links);
+    watcher
 }
 
 #[test]
 fn after_a_restart_of_the_whole_cluster_one_owner_publishes_the_will_whatever_order_links_come_up()
 {
-    let (mut n, mut disks, _, watcher) = will_holder_on_node0();
-    // A power cut: every node down, then back. Node 2 hears from node 0's new incarnation
-    // before its link to node 1 (the first owner) is up: it waits rather than publish too.
-    node0_dies(&mut n);
-    n.cut_link(1, 2);
-    restarts(&mut n, &mut disks, 1, 1_000, 560, &[]);
-    restarts(&mut n, &mut disks, 2, 1_000, 561, &[]);
-    let watcher_back = connect_on(
-        &mut n,
-        2,
-        super::tests::connect("watcher2", Protocol::V5, true),
-    );
-    n.h[2].subscribe(watcher_back, "wills/#", QoS::AtLeastOnce);
-    let _ = watcher;
-    restarts(&mut n, &mut disks, 0, 1_000, 779, &[2]);
-    // (Node 1 publishes only once it has node 2's routes: the watcher gets it.)
+    let (mut n, mut disks, _, _) = will_holder_on_node0();
+    // Node 2 hears from node 0's new incarnation before its link to node 1 (the first
+    // owner) is up: it waits rather than publish too.
+    let watcher_back = power_cut(&mut n, &mut disks, &[1, 2], 2, &[2]);
     tick_by(&mut n, 2, 1_000);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(n.h[2].e.will_stats().published, 0);
@@ -2962,27 +2981,13 @@ fn after_a_restart_of_the_whole_cluster_one_owner_publishes_the_will_whatever_or
     assert_eq!(n.h[1].e.will_stats().published, 0);
     n.heal_link(1, 2);
     owners_tick(&mut n, &mut disks, 100);
-    assert_eq!(payloads(&n.h[2].recv_one(watcher_back)), ["offline"]);
-    assert_eq!(n.h[1].e.will_stats().published, 1);
-    assert_eq!(n.h[2].e.will_stats().published, 0);
-    assert_no_will_copies(&n);
-    owners_tick(&mut n, &mut disks, 6_000);
-    assert!(n.h[2].recv_one(watcher_back).is_empty());
+    assert_will_published_once_by_node1(&mut n, &mut disks, 2, watcher_back);
 }
 
 #[test]
 fn with_the_first_owner_not_back_from_a_power_cut_the_next_one_publishes_after_the_takeover_time() {
     let (mut n, mut disks, _, _) = will_holder_on_node0();
-    node0_dies(&mut n);
-    n.cut_link(1, 2);
-    restarts(&mut n, &mut disks, 2, 1_000, 562, &[]);
-    let watcher = connect_on(
-        &mut n,
-        2,
-        super::tests::connect("watcher2", Protocol::V5, true),
-    );
-    n.h[2].subscribe(watcher, "wills/#", QoS::AtLeastOnce);
-    restarts(&mut n, &mut disks, 0, 1_000, 780, &[2]);
+    let watcher = power_cut(&mut n, &mut disks, &[2], 2, &[2]);
     tick_by(&mut n, 2, 4_000);
     settle_and_sync(&mut n, &mut disks);
     assert!(n.h[2].recv_one(watcher).is_empty());
@@ -2998,17 +3003,7 @@ fn a_will_waiting_for_routes_is_published_before_a_new_connections_copy_replaces
     let (mut n, mut disks, _, _) = will_holder_on_node0();
     // A power cut; node 1 (the first owner) hears from node 0's new incarnation while its
     // link to node 2 is still down: the will waits for node 2's routes ...
-    node0_dies(&mut n);
-    n.cut_link(1, 2);
-    restarts(&mut n, &mut disks, 1, 1_000, 563, &[]);
-    restarts(&mut n, &mut disks, 2, 1_000, 564, &[]);
-    let watcher = connect_on(
-        &mut n,
-        1,
-        super::tests::connect("watcher1", Protocol::V5, true),
-    );
-    n.h[1].subscribe(watcher, "wills/#", QoS::AtLeastOnce);
-    restarts(&mut n, &mut disks, 0, 1_000, 781, &[1]);
+    let watcher = power_cut(&mut n, &mut disks, &[1, 2], 1, &[1]);
     assert_eq!(n.h[1].e.will_stats().published, 0);
     // ... until the sensor is back on node 0, whose new copy would replace it: it goes now.
     connect_on(&mut n, 0, sensor_connect());
