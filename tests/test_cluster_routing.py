@@ -1062,6 +1062,7 @@ def test_after_a_power_cut_of_the_whole_cluster_a_clean_sessions_will_is_publish
             will_retain=True,
         )
         wait_for(lambda: will_copies(n2, n3) >= 1, 5, "will copies", n2, n3)
+        time.sleep(1.5)  # owners write a copy to their stores once it has lived a second
         for node in nodes:
             node.kill()
         sensor.close()

@@ -2573,6 +2573,12 @@ fn will_holder_on_node0() -> (
     settle_and_sync(&mut n, &mut disks);
     for i in [1, 2] {
         assert_eq!(n.h[i].e.will_stats().held, 1, "node {i}");
+        assert!(!disks[i].keys().any(|k| k[0] == b'w'), "node {i}");
+    }
+    // The owners write their copies to their stores once they have lived a second.
+    owners_tick(&mut n, &mut disks, 1_000);
+    for i in [1, 2] {
+        assert!(disks[i].keys().any(|k| k[0] == b'w'), "node {i}");
     }
     (n, disks, sensor, watcher)
 }

@@ -8,8 +8,8 @@
 //! with its node. Now such a connection's node sends its will to the other owners of the
 //! partition (`WillCopy`, protocol 9, with the connection's version) and tells them when
 //! the connection ends (`WillGone`: the will was published here, or discarded by a
-//! DISCONNECT). Owners keep the copies (in memory, and in their store: record `w`), and
-//! the connection counts as ended when:
+//! DISCONNECT). Owners keep the copies (in memory, and in their store once a copy has
+//! lived a second: record `w`), and the connection counts as ended when:
 //! - the home has been down for the takeover time (as sessions are taken over);
 //! - a claim for the client id arrives while the home is down (the client reconnected
 //!   elsewhere before the takeover time): the will is published before the claim is
@@ -35,7 +35,7 @@
 //! would after a takeover. (What an owner has yet to tell such a home lives in memory
 //! only.)
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use super::cluster::PeerId;
@@ -66,6 +66,8 @@ struct HeldWill {
     /// The connection is known to have ended (its home restarted, or its client connected
     /// elsewhere while the home was down); whether that home may still think it holds it.
     ended: Option<bool>,
+    /// A record of this client's copy is in the store (perhaps of an older version).
+    stored: bool,
 }
 
 #[derive(Default)]
@@ -80,8 +82,17 @@ pub(super) struct Wills {
     /// Some copies wait for the owner that publishes them (`Duty::Wait`), or the map
     /// changed: `settle_wills` looks through them at the next tick.
     sweep: bool,
+    /// Copies to write to the store once they have lived `STORE_AFTER_MS` (client id,
+    /// version, when), oldest first.
+    to_store: VecDeque<(Arc<str>, Stamp, u64)>,
     pub(super) stats: WillStats,
 }
+
+/// How long a copy lives before it is written to the store: a connection that ends sooner
+/// (a device that connects, publishes and goes) costs the owners no store write, and one
+/// that lives on is written with the others of its tick. A power cut of the whole cluster
+/// within that time of a connect loses that connection's will, as it would on one node.
+const STORE_AFTER_MS: u64 = 1_000;
 
 /// Published wills remembered at most until their nodes are back (a node gone for good is
 /// never back: past this, the oldest are forgotten).
@@ -220,11 +231,43 @@ impl Engine {
     /// Takes the will held for `client_id` out (and out of the store).
     fn take_held(&mut self, client_id: &str) -> Option<HeldWill> {
         let w = self.wills.held.remove(client_id)?;
-        if self.cfg.durable {
+        if w.stored {
             self.store_ops
                 .push((records::will_copy_key(client_id), None));
         }
         Some(w)
+    }
+
+    /// Writes the copies that have lived `STORE_AFTER_MS` to the store.
+    fn store_due_wills(&mut self, now: u64) {
+        while let Some((_, _, due)) = self.wills.to_store.front() {
+            if *due > now {
+                return;
+            }
+            let (client, stamp, _) = self.wills.to_store.pop_front().expect("checked");
+            if let Some(w) = self.wills.held.get_mut(&client) {
+                if w.stamp == stamp && !w.stored {
+                    w.stored = true;
+                    let (home, epoch) = (w.home, w.epoch);
+                    let body = records::encode_will(&w.will);
+                    self.store_will_copy(&client, home, epoch, stamp, &body);
+                }
+            }
+        }
+    }
+
+    fn store_will_copy(
+        &mut self,
+        client_id: &str,
+        home: u64,
+        epoch: u64,
+        stamp: Stamp,
+        will: &[u8],
+    ) {
+        let key = records::will_copy_key(client_id);
+        let record = records::encode_will_copy(home, epoch, stamp, will);
+        let value = envelope::seal(&key, &record, self.cfg.compress_above);
+        self.store_ops.push((key, Some(value)));
     }
 
     /// A will copy read back from the store at start-up.
@@ -238,6 +281,7 @@ impl Engine {
                 stamp: r.stamp,
                 will: r.will,
                 ended: None,
+                stored: true,
             },
         );
         Ok(())
@@ -284,11 +328,16 @@ impl Engine {
             Some(w) if w.ended.is_some() => self.settle_wills(Some(client_id), true, now),
             _ => {}
         }
-        if self.cfg.durable {
-            let key = records::will_copy_key(client_id);
-            let record = records::encode_will_copy(home, epoch, stamp, body);
-            let value = envelope::seal(&key, &record, self.cfg.compress_above);
-            self.store_ops.push((key, Some(value)));
+        // A record of an older version is replaced at once; a new copy is written once it
+        // has lived a while.
+        let stored = self.wills.held.get(client_id).is_some_and(|w| w.stored);
+        if stored {
+            self.store_will_copy(client_id, home, epoch, stamp, body);
+        } else if self.cfg.durable {
+            let due = now + STORE_AFTER_MS;
+            self.wills
+                .to_store
+                .push_back((Arc::from(client_id), stamp, due));
         }
         self.wills.held.insert(
             Arc::from(client_id),
@@ -298,6 +347,7 @@ impl Engine {
                 stamp,
                 will,
                 ended: None,
+                stored,
             },
         );
     }
@@ -363,6 +413,9 @@ impl Engine {
     /// known to have ended, whose publication is this node's duty; drops those another
     /// owner publishes.
     pub(super) fn wills_tick(&mut self, now: u64) {
+        if !self.wills.to_store.is_empty() {
+            self.store_due_wills(now);
+        }
         let after = self.cfg.cluster_takeover_ms;
         // Copies read back at start-up wait for the map: until then no node is a peer.
         if after == 0 || self.wills.held.is_empty() || !self.replicas.has_map() {
