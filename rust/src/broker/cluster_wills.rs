@@ -295,7 +295,7 @@ impl Engine {
         epoch: u64,
         client_id: &str,
         stamp: Stamp,
-        will: &[u8],
+        body: &[u8],
         now: u64,
     ) {
         if !self.replicas.is_owner(client_id) {
@@ -307,7 +307,6 @@ impl Engine {
             );
             return;
         }
-        let body = will;
         let will = match records::decode_will(body) {
             Ok(will) => will,
             Err(e) => {
@@ -435,22 +434,26 @@ impl Engine {
             return;
         }
         let gone_keys: Vec<u64> = gone.iter().map(|&p| self.cluster.peer_key(p)).collect();
-        let due: Vec<(Arc<str>, bool)> = self
-            .wills
-            .held
-            .iter()
-            .filter(|(c, _)| only.is_none_or(|o| &***c == o))
-            .filter_map(|(c, w)| {
-                // A home that left the cluster (no longer a peer) is dead too.
-                let dead =
-                    gone_keys.contains(&w.home) || self.cluster.peer_by_key(w.home).is_none();
-                match w.ended {
-                    Some(tell) => Some((c.clone(), tell)),
-                    None if dead => Some((c.clone(), true)),
-                    None => None,
-                }
-            })
-            .collect();
+        // (client id, whether its home may still hold the connection) of each ended one.
+        let ended = |(c, w): (&Arc<str>, &HeldWill)| {
+            // A home that left the cluster (no longer a peer) is dead too.
+            let dead = gone_keys.contains(&w.home) || self.cluster.peer_by_key(w.home).is_none();
+            match w.ended {
+                Some(tell) => Some((c.clone(), tell)),
+                None if dead => Some((c.clone(), true)),
+                None => None,
+            }
+        };
+        let due: Vec<(Arc<str>, bool)> = match only {
+            Some(client) => self
+                .wills
+                .held
+                .get_key_value(client)
+                .and_then(ended)
+                .into_iter()
+                .collect(),
+            None => self.wills.held.iter().filter_map(ended).collect(),
+        };
         let mut waiting = false;
         for (client, tell_home) in due {
             let home = self.wills.held[&client].home;
