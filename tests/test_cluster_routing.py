@@ -1204,6 +1204,49 @@ def test_sessions_of_a_killed_node_live_on_with_every_acknowledged_message_and_o
             c.disconnect()
 
 
+def test_a_client_whose_home_is_frozen_resumes_elsewhere_with_every_acknowledged_message(
+    tmp_path,
+):
+    """n1 homes "dev" (offline, 50 QoS 1 messages queued, acknowledged on n2) and is frozen
+    (SIGSTOP, as a stalled VM): its links stay open and say nothing. dev reconnects to n3:
+    the CONNECT waits until n1 is found down at the failure timeout (4 s here, longer than
+    the 3 s a claim waits for a silent peer) and resumes from the copy on an owner with
+    every message (a claim that gave up at 3 s started an empty session). n1 resumes
+    (SIGCONT): what is published then reaches dev once."""
+    with Cluster(tmp_path, settings={"failure_timeout_ms": 4000}) as cluster:
+        n1, n2, n3 = start_cluster(cluster, 3)
+        topic, dev = unique("frozen/cmd"), unique("dev")
+        expiry = {"SessionExpiryInterval": 300}
+        c = Client(endpoint(n1), client_id=dev, version=5, clean=False, props=expiry)
+        c.connect()
+        c.subscribe(topic, qos=1)
+        c.disconnect()
+        wait_rows(n2, "n1", 1)
+        publisher = Client(endpoint(n2), client_id=unique("fpub"), version=5)
+        publisher.connect()
+        payloads = [f"{i}".encode() for i in range(50)]
+        infos = [publisher.publish(topic, p, qos=1, wait=False) for p in payloads]
+        for info in infos:
+            info.wait_for_publish(10)
+            assert info.is_published()
+        assert n1.proc is not None
+        os.kill(n1.proc.pid, signal.SIGSTOP)
+        try:
+            frozen = time.monotonic()
+            sub = Client(endpoint(n3), client_id=dev, version=5, clean=False, props=expiry)
+            assert sub.connect(timeout=15.0).session_present
+            assert time.monotonic() - frozen >= 3.0
+            assert [m.payload for m in sub.expect(50, 10.0)] == payloads
+            assert metric(n3, "cluster_claims_timed_out_total") == 0
+        finally:
+            os.kill(n1.proc.pid, signal.SIGCONT)
+        publisher.publish(topic, b"after", qos=1)
+        assert [m.payload for m in sub.expect(1, 5.0)] == [b"after"]
+        assert sub.drain(1.0) == []
+        for client in (sub, publisher):
+            client.disconnect()
+
+
 def offline_subscribers(node: Node, root: str, ids: list[str]) -> None:
     """Persistent MQTT 5 sessions on `node` (300 s expiry), the i-th subscribed to
     `root/i` at QoS 1, their clients gone."""

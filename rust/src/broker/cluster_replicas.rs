@@ -37,6 +37,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use super::cluster::PeerId;
+use super::cluster_sessions::FOUND_DOWN_MS;
 use super::cluster_streams::Streams;
 use super::router::Scope;
 use super::state::{Message, SessionId};
@@ -127,7 +128,8 @@ struct Watch {
     until: u64,
 }
 
-/// Shorter than the claimant's own wait for a silent peer (`CLAIM_TIMEOUT_MS`, 3 s).
+/// Shorter than the claimant's own wait for a silent peer (`CLAIM_TIMEOUT_MS`, 3 s), and
+/// at least until a stalled home is found down (`watch_ms`).
 const WATCH_MS: u64 = 2_000;
 
 /// How recent (wall-clock ms) a session's newer version must be for a node that gives its
@@ -1022,7 +1024,7 @@ impl Engine {
                 client,
                 stamp,
                 copy: copy_stamp,
-                until: now + WATCH_MS,
+                until: now + WATCH_MS.max(self.cfg.cluster_takeover_ms + FOUND_DOWN_MS),
             });
             return true;
         }

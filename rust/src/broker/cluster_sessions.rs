@@ -7,8 +7,9 @@
 //!   (DISCONNECT 0x8E, as a takeover on one node) and answers with the session's store
 //!   records, or ends the session if the claim discards it (clean start, or this node holds
 //!   one already); a peer without it answers with none. The CONNECT goes on once every peer
-//!   asked has answered or gone down, or after `CLAIM_TIMEOUT_MS`, with the session the
-//!   answers brought (session present = 1).
+//!   asked has answered or gone down, or after `CLAIM_TIMEOUT_MS` (3 s) or a little past
+//!   the failure timeout if longer (a stalled home is found down then, and answered for
+//!   from its copy), with the session the answers brought (session present = 1).
 //! - **Races.** The highest stamp wins. A node with its own claim out for the client answers
 //!   an older claim at once with none, and serves a newer one only after its own completed
 //!   (then as a takeover), so every node ends with the newest connect alive and no claim
@@ -53,8 +54,12 @@ use super::{ConnId, Engine};
 use crate::cluster::batch::{Mark, Stamp};
 use crate::codec::QoS;
 
-/// How long a claim waits for a peer whose link is up but that does not answer.
+/// How long a claim waits at least for a peer whose link is up but that does not answer;
+/// and at least until such a peer is found down (`claim_wait_ms`).
 const CLAIM_TIMEOUT_MS: u64 = 3_000;
+/// How long after the failure timeout a silent link is closed for sure (the link layer
+/// looks every 50 ms), and an owner watching its home answers from its copy.
+pub(super) const FOUND_DOWN_MS: u64 = 1_000;
 /// How long the old home relays a moved session's messages to a node of protocol 7 or
 /// less, and after the new home said every node has its rows (`RelayEnd`): far longer than
 /// route rows, or messages sent before them, take over links that are up.
@@ -216,11 +221,18 @@ impl Engine {
                 auth_data,
                 waiting: peers,
                 discard,
-                deadline: now + CLAIM_TIMEOUT_MS,
+                deadline: now + self.claim_wait_ms(),
                 early: Vec::new(),
                 best_copy: None,
             },
         );
+    }
+
+    /// How long a claim waits for silent peers: a stalled home (SIGSTOP, a frozen VM) is
+    /// found down only at the failure timeout, and then the owners answer from its copy;
+    /// giving up before would start a fresh session without what was acknowledged for it.
+    fn claim_wait_ms(&self) -> u64 {
+        CLAIM_TIMEOUT_MS.max(self.cfg.cluster_takeover_ms + 2 * FOUND_DOWN_MS)
     }
 
     /// This node claims `client_id` anew with `stamp` (the client connected here again

@@ -1921,6 +1921,50 @@ fn a_claim_answered_from_two_copies_takes_the_more_current_one() {
 }
 
 #[test]
+fn a_client_whose_home_stalls_resumes_from_the_copy_once_the_home_is_found_down() {
+    // The failure timeout (5 s) is longer than a claim's 3 s wait for a peer that is up.
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 5_000);
+    offline_session(
+        &mut n,
+        0,
+        super::tests::connect("dev", Protocol::V311, false),
+        QoS::AtLeastOnce,
+    );
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    // Node 0 stalls (SIGSTOP): its links stay up, and nothing goes in or out.
+    n.cut.push((0, 1));
+    n.cut.push((0, 2));
+    let back = n.h[2].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    settle_and_sync(&mut n, &mut disks);
+    // Past 3 s neither the claimant nor the owner gives up on the home: answering without
+    // it would start a session without the acknowledged m1.
+    tick_by(&mut n, 1, 4_000);
+    tick_by(&mut n, 2, 4_000);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(n.h[2].recv_one(back).is_empty());
+    // At the failure timeout both close the silent links: the owner answers from its copy.
+    tick_by(&mut n, 1, 1_200);
+    tick_by(&mut n, 2, 1_200);
+    n.cut.clear();
+    node0_dies(&mut n);
+    assert_eq!(serve_copy_loads(&mut n.h[1], &disks[1]), 1);
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 2, back, &["m1"]);
+    assert_eq!(n.h[2].e.claim_stats().timed_out, 0);
+    // Node 0 resumes (SIGCONT) and its links come back: it keeps no session of dev, and
+    // what is published now reaches dev once, on node 2.
+    n.heal_link(0, 1);
+    n.heal_link(0, 2);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[0].e.session_count(), 0);
+    n.h[2].publish(publisher, "cmd/dev", "m2", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[2].recv_one(back)), ["m2"]);
+}
+
+#[test]
 fn a_qos2_publish_and_its_pubrel_reach_the_client_only_once_an_owner_holds_their_state() {
     let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
     let dev = connect_on(
