@@ -1207,20 +1207,37 @@ def test_sessions_of_a_killed_node_live_on_with_every_acknowledged_message_and_o
 def test_a_client_whose_home_is_frozen_resumes_elsewhere_with_every_acknowledged_message(
     tmp_path,
 ):
-    """n1 homes "dev" (offline, 50 QoS 1 messages queued, acknowledged on n2) and is frozen
-    (SIGSTOP, as a stalled VM): its links stay open and say nothing. dev reconnects to n3:
-    the CONNECT waits until n1 is found down at the failure timeout (4 s here, longer than
-    the 3 s a claim waits for a silent peer) and resumes from the copy on an owner with
-    every message (a claim that gave up at 3 s started an empty session). n1 resumes
-    (SIGCONT): what is published then reaches dev once."""
+    """n1 homes "dev" (offline, 50 QoS 1 messages queued, acknowledged on n2), "lamp"
+    (persistent, connected, with a will) and "sensor" (clean session, connected, with a
+    will), and is frozen (SIGSTOP, as a stalled VM): its links stay open and say nothing.
+    dev and lamp reconnect to n3: each CONNECT waits until n1 is found down at the failure
+    timeout (4 s here, longer than the 3 s a claim waits for a silent peer) and resumes from
+    the copy on an owner, dev with every message (a claim that gave up at 3 s started an
+    empty session). lamp's old will and sensor's will are published once each. n1 resumes
+    (SIGCONT) and finds their sockets closed before it sees its links were: it keeps those
+    wills until it is in touch again and learns that they went out (it published them a
+    second time before). What is published then reaches dev once."""
     with Cluster(tmp_path, settings={"failure_timeout_ms": 4000}) as cluster:
         n1, n2, n3 = start_cluster(cluster, 3)
-        topic, dev = unique("frozen/cmd"), unique("dev")
+        watcher = watch_wills(n2, n1, n3)
+        topic, dev, lamp, sensor = unique("frozen/cmd"), unique("dev"), unique("lamp"), unique("s")
         expiry = {"SessionExpiryInterval": 300}
         c = Client(endpoint(n1), client_id=dev, version=5, clean=False, props=expiry)
         c.connect()
         c.subscribe(topic, qos=1)
         c.disconnect()
+        socks = [
+            r.connect_client(
+                n1.ip,
+                n1.mqtt_port,
+                cid,
+                clean=clean,
+                will_topic=f"wills/{cid}",
+                will_payload=b"gone",
+                will_qos=1,
+            )[0]
+            for cid, clean in ((lamp, False), (sensor, True))
+        ]
         wait_rows(n2, "n1", 1)
         publisher = Client(endpoint(n2), client_id=unique("fpub"), version=5)
         publisher.connect()
@@ -1229,21 +1246,29 @@ def test_a_client_whose_home_is_frozen_resumes_elsewhere_with_every_acknowledged
         for info in infos:
             info.wait_for_publish(10)
             assert info.is_published()
+        time.sleep(1.5)  # will copies are stored once they lived a second
         assert n1.proc is not None
         os.kill(n1.proc.pid, signal.SIGSTOP)
         try:
-            frozen = time.monotonic()
             sub = Client(endpoint(n3), client_id=dev, version=5, clean=False, props=expiry)
+            back = Client(endpoint(n3), client_id=lamp, clean=False)
             assert sub.connect(timeout=15.0).session_present
-            assert time.monotonic() - frozen >= 3.0
+            assert back.connect(timeout=15.0).session_present
             assert [m.payload for m in sub.expect(50, 10.0)] == payloads
             assert metric(n3, "cluster_claims_timed_out_total") == 0
+            wills = sorted(m.topic for m in watcher.expect(2, 10.0))
+            assert wills == sorted([f"wills/{lamp}", f"wills/{sensor}"])
+            # Their clients gave up on the old sockets: n1 sees them closed as it resumes.
+            for sock in socks:
+                sock.close()
         finally:
             os.kill(n1.proc.pid, signal.SIGCONT)
         publisher.publish(topic, b"after", qos=1)
         assert [m.payload for m in sub.expect(1, 5.0)] == [b"after"]
-        assert sub.drain(1.0) == []
-        for client in (sub, publisher):
+        time.sleep(3.0)
+        assert sub.drain(0.5) == []
+        assert watcher.drain(0.5) == []
+        for client in (sub, back, publisher, watcher):
             client.disconnect()
 
 

@@ -1131,10 +1131,13 @@ impl Engine {
                 o.rows = 0;
             }
             c.queue_snapshot(id);
-            self.queue_retained_set(id, now);
+            // Before the retained set, whose end tells the peer that it is in touch again:
+            // which of its sessions live on elsewhere now and which of its wills went out
+            // meanwhile (it publishes the wills it kept only then).
             self.queue_copy_checks(id);
             self.ask_kept_on_link_up(id);
             self.wills_link_up(id);
+            self.queue_retained_set(id, now);
             self.give_up_deferred(id, now);
         } else {
             let c = &mut self.cluster;

@@ -3066,3 +3066,113 @@ fn a_will_waiting_for_routes_is_published_before_a_new_connections_copy_replaces
     assert!(n.h[1].recv_one(watcher).is_empty());
     assert_eq!(n.h[2].e.will_stats().published, 0);
 }
+
+/// The sensor's socket on node 0 closes (its client gave up on it): an abnormal end.
+fn sensor_socket_closes(n: &mut Nodes, sensor: crate::broker::ConnId) {
+    let now = n.h[0].now;
+    n.h[0].e.closed(sensor, now);
+}
+
+/// Node 0's links to nodes 1 and 2 come back, and every node ticks.
+fn node0_back_in_touch(n: &mut Nodes, disks: &mut [Disk]) {
+    n.heal_link(0, 1);
+    n.heal_link(0, 2);
+    settle_and_sync(n, disks);
+    tick_by(n, 0, 100);
+    owners_tick(n, disks, 100);
+}
+
+#[test]
+fn a_connection_that_ends_while_its_node_is_cut_off_leaves_its_will_to_the_owner_that_published_it()
+{
+    let (mut n, mut disks, sensor, watcher) = will_holder_on_node0();
+    // Node 0 is cut off for the takeover time: node 1 publishes the will.
+    node0_dies(&mut n);
+    owners_tick(&mut n, &mut disks, 5_000);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
+    // Meanwhile the sensor's socket on node 0 closes: node 0 keeps the will (node 1 may
+    // have published it), and learns that it did once their link is back.
+    sensor_socket_closes(&mut n, sensor);
+    node0_back_in_touch(&mut n, &mut disks);
+    tick_by(&mut n, 0, 6_000);
+    owners_tick(&mut n, &mut disks, 6_000);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    assert_no_will_copies(&n);
+}
+
+#[test]
+fn a_connection_that_ends_during_a_short_cut_has_its_will_published_by_its_node_once_back_in_touch()
+{
+    let (mut n, mut disks, sensor, watcher) = will_holder_on_node0();
+    node0_dies(&mut n);
+    sensor_socket_closes(&mut n, sensor);
+    settle_and_sync(&mut n, &mut disks);
+    // Back within the takeover time: nobody else published it, and node 0 does, once.
+    owners_tick(&mut n, &mut disks, 2_000);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    node0_back_in_touch(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
+    assert_no_will_copies(&n);
+    tick_by(&mut n, 0, 6_000);
+    owners_tick(&mut n, &mut disks, 6_000);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+}
+
+#[test]
+fn a_frozen_node_whose_sockets_close_as_it_resumes_does_not_publish_wills_published_meanwhile() {
+    let (mut n, mut disks, sensor, watcher) = will_holder_on_node0();
+    // (It ticks every 100 ms until then.)
+    tick_by(&mut n, 0, 100);
+    // Node 0 is frozen (SIGSTOP): its peers find it down at the takeover time and close
+    // its links, and node 1 publishes the will.
+    n.cut.push((0, 1));
+    n.cut.push((0, 2));
+    for i in [1, 2] {
+        let p = n.peer[i][0];
+        n.h[i].e.cluster_link(p, false);
+    }
+    owners_tick(&mut n, &mut disks, 5_000);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
+    // It resumes: the sensor's socket closed meanwhile, and that is seen before the
+    // links' ends are.
+    n.h[0].now += 6_000;
+    sensor_socket_closes(&mut n, sensor);
+    n.cut.clear();
+    node0_dies(&mut n);
+    node0_back_in_touch(&mut n, &mut disks);
+    tick_by(&mut n, 0, 6_000);
+    owners_tick(&mut n, &mut disks, 6_000);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    assert_no_will_copies(&n);
+}
+
+#[test]
+fn a_will_an_owner_publishes_after_the_home_is_back_still_closes_the_old_connection_there() {
+    let (mut n, mut disks, sensor, watcher) = will_holder_on_node0();
+    // Node 0 is cut off, and node 1 (whose duty the will is) from node 2 too.
+    node0_dies(&mut n);
+    n.cut_link(1, 2);
+    // The sensor reconnects on node 1: its old connection ended, and its will waits on
+    // node 1 for node 2's routes.
+    let back = connect_on(&mut n, 1, sensor_connect());
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[1].e.will_stats().published, 0);
+    // Node 0 is back for node 1 first: told that the will is node 1's, it closes the old
+    // connection without publishing it.
+    n.heal_link(0, 1);
+    settle_and_sync(&mut n, &mut disks);
+    n.h[0].recv();
+    assert!(n.h[0].closed.contains(&sensor));
+    n.heal_link(0, 2);
+    n.heal_link(1, 2);
+    settle_and_sync(&mut n, &mut disks);
+    for i in 0..3 {
+        tick_by(&mut n, i, 6_000);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
+    assert_eq!(n.h[1].e.will_stats().published, 1);
+    assert_eq!(n.h[2].e.will_stats().published, 0);
+    n.h[1].recv();
+    assert!(!n.h[1].closed.contains(&back));
+}

@@ -33,13 +33,20 @@
 //! published a will tells it so when their link comes up (`WillFired`), and the home closes
 //! that connection (0x8E) without publishing the will again; the client reconnects as it
 //! would after a takeover. (What an owner has yet to tell such a home lives in memory
-//! only.)
+//! only.) A connection of such a home that ends while it is out of touch with a node (a
+//! link down and that node not gone for the takeover time, or a second after the home was
+//! frozen: its clients' sockets close as it resumes, before it sees its links were closed)
+//! keeps its will until the home is in touch with every node again: another node may
+//! have published it meanwhile (an owner, or the node a claim of the client came to), and
+//! says so first when the links come up (`WillFired`, or a newer version of a persistent
+//! session that fences this one). Only then does the home publish the wills it kept.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use super::cluster::PeerId;
 use super::cluster_replicas::THIS_NODE;
+use super::cluster_sessions::FOUND_DOWN_MS;
 use super::state::{SessionId, BROKER_ORIGIN};
 use super::{ConnId, Engine};
 use crate::cluster::batch::Stamp;
@@ -85,6 +92,14 @@ pub(super) struct Wills {
     /// Copies to write to the store once they have lived `STORE_AFTER_MS` (client id,
     /// version, when), oldest first.
     to_store: VecDeque<(Arc<str>, Stamp, u64)>,
+    /// Wills of this node's connections (sessions of expiry 0) that ended while it was out
+    /// of touch (client id, version, will): published once it is in touch again, unless
+    /// an owner says it published them (`WillFired`).
+    kept: Vec<(Arc<str>, Stamp, LastWill)>,
+    /// When `wills_tick` last ran, to tell that this node was frozen (SIGSTOP, a stalled
+    /// VM): no will of its own goes out until `thawed_until`.
+    last_tick: u64,
+    thawed_until: u64,
     pub(super) stats: WillStats,
 }
 
@@ -127,6 +142,58 @@ impl Engine {
         self.wills.out.insert(sid, stamp);
         for peer in self.replicas.other_owners(&client) {
             self.cluster.queue_will_copy(peer, &client, stamp, &body);
+        }
+    }
+
+    /// Whether a will of this node's connections must wait instead of going out now:
+    /// another node may have published it while this one was out of touch (see the
+    /// module's comment).
+    pub(super) fn wills_wait(&mut self, now: u64) -> bool {
+        let after = self.cfg.cluster_takeover_ms;
+        if after == 0 || !self.replicas.has_map() {
+            return false;
+        }
+        self.note_thaw(now);
+        if now < self.wills.thawed_until {
+            return true;
+        }
+        let gone = self.cluster.down_longer_than(after, now);
+        !self.cluster.routes_known(&gone, None)
+    }
+
+    /// Ticks come every 100 ms: a gap far longer means the process was frozen, and the
+    /// links' ends (their peers closed them meanwhile) may not have been seen yet.
+    fn note_thaw(&mut self, now: u64) {
+        let last = self.wills.last_tick;
+        let gap = (self.cfg.cluster_takeover_ms / 2).max(FOUND_DOWN_MS);
+        if last != 0 && now.saturating_sub(last) > gap {
+            self.wills.thawed_until = self.wills.thawed_until.max(now + FOUND_DOWN_MS);
+        }
+    }
+
+    /// Connection `sid`'s will is due while this node is out of touch: if the session ends
+    /// with it and its will is copied to the owners, it is kept here (no `WillGone`: the
+    /// owners keep their copies). True if kept.
+    pub(super) fn keep_will(&mut self, sid: SessionId, will: &LastWill) -> bool {
+        let Some(&stamp) = self.wills.out.get(&sid) else {
+            return false;
+        };
+        let Some(client) = self.session(sid).map(|s| s.client_id.clone()) else {
+            return false;
+        };
+        self.wills.out.remove(&sid);
+        self.wills.kept.push((client, stamp, will.clone()));
+        true
+    }
+
+    /// In touch again: the kept wills nobody else published go out, and the owners drop
+    /// their copies.
+    fn publish_kept_wills(&mut self, now: u64) {
+        for (client, stamp, will) in std::mem::take(&mut self.wills.kept) {
+            self.publish_will(will, BROKER_ORIGIN, now);
+            for peer in self.replicas.other_owners(&client) {
+                self.cluster.queue_will_gone(peer, &client, stamp);
+            }
         }
     }
 
@@ -177,6 +244,28 @@ impl Engine {
     pub(super) fn wills_link_up(&mut self, peer: PeerId) {
         let key = self.cluster.peer_key(peer);
         self.send_wills(Some(peer));
+        // Wills of its connections known to have ended (a claim came while it was down)
+        // that wait to go out here: it learns now that this node publishes them, before it
+        // is in touch enough to publish them itself.
+        let after = self.cfg.cluster_takeover_ms;
+        let gone = self.cluster.down_longer_than(after, self.last_now);
+        let ours: Vec<(Arc<str>, Stamp)> = self
+            .wills
+            .held
+            .iter()
+            .filter(|(c, w)| {
+                w.home == key
+                    && w.ended == Some(true)
+                    && matches!(self.will_duty(c, Some(peer), &gone), Duty::Publish)
+            })
+            .map(|(c, w)| (c.clone(), w.stamp))
+            .collect();
+        for (client, stamp) in ours {
+            if let Some(w) = self.wills.held.get_mut(&client) {
+                w.ended = Some(false);
+            }
+            self.cluster.queue_will_fired(peer, &client, stamp);
+        }
         if self.wills.fired.iter().any(|f| f.0 == key) {
             let fired = std::mem::take(&mut self.wills.fired);
             for (home, client, stamp) in fired {
@@ -192,6 +281,9 @@ impl Engine {
     /// An owner published the will of our connection `client_id` (version `stamp`) while
     /// this node was out of its reach: that connection ends here, without the will.
     pub(super) fn will_fired_received(&mut self, client_id: &str, stamp: Stamp, now: u64) {
+        self.wills
+            .kept
+            .retain(|(client, s, _)| !(&**client == client_id && *s == stamp));
         let Some(&sid) = self.by_client.get(client_id) else {
             return;
         };
@@ -412,8 +504,13 @@ impl Engine {
     /// known to have ended, whose publication is this node's duty; drops those another
     /// owner publishes.
     pub(super) fn wills_tick(&mut self, now: u64) {
+        self.note_thaw(now);
+        self.wills.last_tick = now;
         if !self.wills.to_store.is_empty() {
             self.store_due_wills(now);
+        }
+        if !self.wills.kept.is_empty() && !self.wills_wait(now) {
+            self.publish_kept_wills(now);
         }
         let after = self.cfg.cluster_takeover_ms;
         // Copies read back at start-up wait for the map: until then no node is a peer.
@@ -517,7 +614,14 @@ impl Engine {
                 w.will.topic
             ),
         );
-        if tell_home {
+        let home_up = self
+            .cluster
+            .peer_by_key(w.home)
+            .filter(|&p| self.cluster.peer_up(p));
+        if let (true, Some(home)) = (tell_home, home_up) {
+            // Its link is up again already: told now, not at the next link-up.
+            self.cluster.queue_will_fired(home, &client, w.stamp);
+        } else if tell_home {
             if self.wills.fired.len() >= FIRED_MAX {
                 self.wills.fired.remove(0);
             }

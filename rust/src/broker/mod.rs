@@ -600,10 +600,18 @@ impl Engine {
         session.conn = None;
         session.disconnected_at = Some(now);
         let expiry = session.expiry;
+        let copied = session.stamp.is_some();
+        // Out of touch with another node, which may have published it meanwhile (in a
+        // cluster): kept until in touch (a persistent session's as a will due now).
+        let wait = abnormal && will.is_some() && self.wills_wait(now);
+        let will = match will {
+            Some(w) if wait && expiry == 0 && self.keep_will(sid, &w) => None,
+            will => will,
+        };
         self.will_ended(sid);
         if let (true, Some(will)) = (abnormal, will) {
             let delay = will.properties.will_delay_interval.unwrap_or(0);
-            if delay == 0 || expiry == 0 {
+            if expiry == 0 || (delay == 0 && !(wait && copied)) {
                 self.publish_will(*will, sid, now);
             } else {
                 let at = now + 1000 * u64::from(delay.min(expiry));

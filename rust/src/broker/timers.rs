@@ -95,6 +95,11 @@ impl Engine {
                 expired.push(i as SessionId);
             }
         }
+        if !wills.is_empty() && self.wills_wait(now) {
+            // Those of sessions copied to other nodes wait until this one is in touch with
+            // them: the session may have moved on meanwhile (it is fenced, will and all).
+            wills.retain(|&sid| self.session(sid).is_some_and(|s| s.stamp.is_none()));
+        }
         for sid in wills {
             if let Some((will, _)) = self.session_mut(sid).and_then(|s| s.pending_will.take()) {
                 self.publish_will(*will, sid, now);
