@@ -3176,3 +3176,22 @@ fn a_will_an_owner_publishes_after_the_home_is_back_still_closes_the_old_connect
     n.h[1].recv();
     assert!(!n.h[1].closed.contains(&back));
 }
+
+#[test]
+fn an_owner_restarted_before_the_home_is_back_still_tells_it_that_the_will_went_out() {
+    let (mut n, mut disks, sensor, watcher) = will_holder_on_node0();
+    node0_dies(&mut n);
+    owners_tick(&mut n, &mut disks, 5_000);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
+    // Node 1, which published it, restarts from its disk before node 0 is back.
+    restarts(&mut n, &mut disks, 1, 1_000, 555, &[2]);
+    n.heal_link(0, 1);
+    n.heal_link(0, 2);
+    settle_and_sync(&mut n, &mut disks);
+    n.h[0].recv();
+    assert!(n.h[0].closed.contains(&sensor));
+    assert!(!disks[1].keys().any(|k| k[0] == b'p'));
+    tick_by(&mut n, 0, 6_000);
+    owners_tick(&mut n, &mut disks, 6_000);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+}

@@ -32,8 +32,8 @@
 //! A home that was only cut off or paused keeps its connections meanwhile: the owner that
 //! published a will tells it so when their link comes up (`WillFired`), and the home closes
 //! that connection (0x8E) without publishing the will again; the client reconnects as it
-//! would after a takeover. (What an owner has yet to tell such a home lives in memory
-//! only.) A connection of such a home that ends while it is out of touch with a node (a
+//! would after a takeover. (What an owner has yet to tell such a home is in its store too,
+//! record `p`, so an owner restarted meanwhile still tells it.) A connection of such a home that ends while it is out of touch with a node (a
 //! link down and that node not gone for the takeover time, or a second after the home was
 //! frozen: its clients' sockets close as it resumes, before it sees its links were closed)
 //! keeps its will until the home is in touch with every node again: another node may
@@ -84,7 +84,8 @@ pub(super) struct Wills {
     /// Copies held for connections on other nodes, by client id.
     held: HashMap<Arc<str>, HeldWill>,
     /// Wills this node published for connections on nodes out of its reach, to tell those
-    /// nodes when their links come up (home key, client id, version).
+    /// nodes when their links come up (home key, client id, version; one per client id, in
+    /// the store too).
     fired: Vec<(u64, Arc<str>, Stamp)>,
     /// Some copies wait for the owner that publishes them (`Duty::Wait`), or the map
     /// changed: `settle_wills` looks through them at the next tick.
@@ -271,6 +272,7 @@ impl Engine {
             for (home, client, stamp) in fired {
                 if home == key {
                     self.cluster.queue_will_fired(peer, &client, stamp);
+                    self.unstore_fired(&client);
                 } else {
                     self.wills.fired.push((home, client, stamp));
                 }
@@ -363,6 +365,21 @@ impl Engine {
     }
 
     /// A will copy read back from the store at start-up.
+    fn unstore_fired(&mut self, client_id: &str) {
+        if self.cfg.durable {
+            self.store_ops
+                .push((records::will_fired_key(client_id), None));
+        }
+    }
+
+    /// A will this node published for a node out of its reach, read back at start-up: that
+    /// node is told when their link comes up.
+    pub(super) fn restore_will_fired(&mut self, client: String, body: &[u8]) -> Result<(), String> {
+        let (home, stamp) = records::decode_will_fired(body).map_err(|e| e.to_string())?;
+        self.wills.fired.push((home, Arc::from(client), stamp));
+        Ok(())
+    }
+
     pub(super) fn restore_will_copy(&mut self, client: String, body: &[u8]) -> Result<(), String> {
         let r = records::decode_will_copy(body).map_err(|e| e.to_string())?;
         self.wills.held.insert(
@@ -622,8 +639,18 @@ impl Engine {
             // Its link is up again already: told now, not at the next link-up.
             self.cluster.queue_will_fired(home, &client, w.stamp);
         } else if tell_home {
+            // One per client id (its newest), as its store record.
+            self.wills.fired.retain(|f| f.1 != client);
             if self.wills.fired.len() >= FIRED_MAX {
-                self.wills.fired.remove(0);
+                let oldest = self.wills.fired.remove(0);
+                self.unstore_fired(&oldest.1);
+            }
+            if self.cfg.durable {
+                // On disk: an owner restarted before the home is back still tells it.
+                let key = records::will_fired_key(client_id);
+                let record = records::encode_will_fired(w.home, w.stamp);
+                let value = envelope::seal(&key, &record, self.cfg.compress_above);
+                self.store_ops.push((key, Some(value)));
             }
             self.wills.fired.push((w.home, client, w.stamp));
         }

@@ -466,6 +466,9 @@ impl Engine {
         if let Key::WillCopy(client) = parsed {
             return self.restore_will_copy(client, &body);
         }
+        if let Key::WillFired(client) = parsed {
+            return self.restore_will_fired(client, &body);
+        }
         if let Key::Mark { home, node } = parsed {
             let (epoch, seq) = records::decode_mark(&body).map_err(|e| e.to_string())?;
             self.restore_mark(home, Mark { node, epoch, seq });
@@ -473,7 +476,11 @@ impl Engine {
         }
         let r = self.restoring.get_or_insert_with(Box::default);
         match parsed {
-            Key::Outbox { .. } | Key::Copy(..) | Key::Mark { .. } | Key::WillCopy(_) => {
+            Key::Outbox { .. }
+            | Key::Copy(..)
+            | Key::Mark { .. }
+            | Key::WillCopy(_)
+            | Key::WillFired(_) => {
                 unreachable!("handled above")
             }
             Key::Session(id) => {

@@ -32,6 +32,7 @@ pub const OUTBOX: u8 = b'o';
 pub const COPY: u8 = b'c';
 pub const MARK: u8 = b'a';
 pub const WILL_COPY: u8 = b'w';
+pub const WILL_FIRED: u8 = b'p';
 
 fn client_prefix(kind: u8, client_id: &str, extra: usize) -> Vec<u8> {
     let id = client_id.as_bytes();
@@ -94,6 +95,30 @@ pub fn copy_key(client_id: &str, inner: &[u8]) -> Vec<u8> {
 /// of its partition (`cluster_wills`).
 pub fn will_copy_key(client_id: &str) -> Vec<u8> {
     client_prefix(WILL_COPY, client_id, 0)
+}
+
+/// A will this node published for a connection on a node out of its reach, which that node
+/// is to be told of when their link comes up (`cluster_wills`).
+pub fn will_fired_key(client_id: &str) -> Vec<u8> {
+    client_prefix(WILL_FIRED, client_id, 0)
+}
+
+/// A published will to tell its home of: that node's key and the connection's version.
+pub fn encode_will_fired(home: u64, stamp: Stamp) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.u64(home).u64(stamp.clock).u64(stamp.node);
+    w.buf
+}
+
+pub fn decode_will_fired(body: &[u8]) -> Result<(u64, Stamp), BodyError> {
+    let mut r = Reader::new(body);
+    let home = r.u64()?;
+    let stamp = Stamp {
+        clock: r.u64()?,
+        node: r.u64()?,
+    };
+    r.finish()?;
+    Ok((home, stamp))
 }
 
 /// A held will copy: the key of the node holding the connection, that node's incarnation,
@@ -191,6 +216,8 @@ pub enum Key {
     },
     /// A will copy held for a connection of `client` on another node.
     WillCopy(String),
+    /// A will published here for a connection of `client` on a node out of reach.
+    WillFired(String),
 }
 
 pub fn parse_key(key: &[u8]) -> Option<Key> {
@@ -213,6 +240,7 @@ pub fn parse_key(key: &[u8]) -> Option<Key> {
     match (kind, tail.len()) {
         (SESSION, 0) => Some(Key::Session(id)),
         (WILL_COPY, 0) => Some(Key::WillCopy(id)),
+        (WILL_FIRED, 0) => Some(Key::WillFired(id)),
         (MESSAGE, 8) => Some(Key::Message(id, u64::from_be_bytes(tail.try_into().ok()?))),
         (FLIGHT, 8) => Some(Key::Flight(id, u64::from_be_bytes(tail.try_into().ok()?))),
         (INBOUND, 2) => Some(Key::Inbound(id, u16::from_be_bytes([tail[0], tail[1]]))),
@@ -607,6 +635,10 @@ mod tests {
             Some(Key::WillCopy("dev".into()))
         );
         assert_eq!(parse_key(b"w\x00\x03devx"), None);
+        assert_eq!(
+            parse_key(&will_fired_key("dev")),
+            Some(Key::WillFired("dev".into()))
+        );
         assert_eq!(parse_key(b""), None);
         assert_eq!(parse_key(b"m\x00\x05ab"), None);
         assert_eq!(parse_key(b"x\x00\x00"), None);
@@ -725,6 +757,12 @@ mod tests {
             clock: 11,
             node: 12,
         };
+        let fired = encode_will_fired(3, stamp);
+        assert_eq!(decode_will_fired(&fired), Ok((3, stamp)));
+        for len in 0..fired.len() {
+            assert!(decode_will_fired(&fired[..len]).is_err());
+        }
+        assert!(decode_will_fired(&[fired, vec![0]].concat()).is_err());
         let body = encode_will_copy(3, 4, stamp, &encode_will(&will));
         let held = decode_will_copy(&body).unwrap();
         assert_eq!((held.home, held.epoch, held.stamp), (3, 4, stamp));
