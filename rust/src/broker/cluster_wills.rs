@@ -33,13 +33,14 @@
 //! published a will tells it so when their link comes up (`WillFired`), and the home closes
 //! that connection (0x8E) without publishing the will again; the client reconnects as it
 //! would after a takeover. (What an owner has yet to tell such a home is in its store too,
-//! record `p`, so an owner restarted meanwhile still tells it.) A connection of such a home that ends while it is out of touch with a node (a
-//! link down and that node not gone for the takeover time, or a second after the home was
-//! frozen: its clients' sockets close as it resumes, before it sees its links were closed)
-//! keeps its will until the home is in touch with every node again: another node may
-//! have published it meanwhile (an owner, or the node a claim of the client came to), and
-//! says so first when the links come up (`WillFired`, or a newer version of a persistent
-//! session that fences this one). Only then does the home publish the wills it kept.
+//! record `p`, so an owner restarted meanwhile still tells it.) A connection of such a home
+//! that ends while it is out of touch with a node (a link down and that node not gone for
+//! the takeover time, or a second after the home was frozen: its clients' sockets close as
+//! it resumes, before it sees its links were closed) keeps its will until the home is in
+//! touch with every node again: another node may have published it meanwhile (an owner, or
+//! the node a claim of the client came to), and says so first when the links come up
+//! (`WillFired`, or a newer version of a persistent session that fences this one). Only
+//! then does the home publish the wills it kept.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -364,7 +365,6 @@ impl Engine {
         self.store_ops.push((key, Some(value)));
     }
 
-    /// A will copy read back from the store at start-up.
     fn unstore_fired(&mut self, client_id: &str) {
         if self.cfg.durable {
             self.store_ops
@@ -380,6 +380,7 @@ impl Engine {
         Ok(())
     }
 
+    /// A will copy read back from the store at start-up.
     pub(super) fn restore_will_copy(&mut self, client: String, body: &[u8]) -> Result<(), String> {
         let r = records::decode_will_copy(body).map_err(|e| e.to_string())?;
         self.wills.held.insert(

@@ -15,6 +15,8 @@
 //! | `c` | client, then a key above of that client (`s`, `m`, `f`, `q`) | a copy of another node's session record, as sealed there (with its own key) |
 //! | `c` | client, nothing after | the copy's home node and version (`CopyMeta`) |
 //! | `a` | home node key u64, node key u64 | how far that home of copies held here applied that node's batches: its incarnation u64 and batch u64 (`Mark`) |
+//! | `w` | client | the will of a connection on another node whose session ends with it: home key, incarnation, version, will (`WillCopyRecord`) |
+//! | `p` | client | a will published here for a node out of reach, to tell it when its link is back: home key, version |
 
 use bytes::Bytes;
 
