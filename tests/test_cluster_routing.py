@@ -356,6 +356,13 @@ def stream(publisher: Client, topic: str, qos: int, count: int, during=None) -> 
     return acked
 
 
+def all_acknowledged(infos: list[Any], timeout: float) -> None:
+    """Every publish sent with wait=False (paho's message infos) is acknowledged."""
+    for info in infos:
+        info.wait_for_publish(timeout)
+        assert info.is_published()
+
+
 @pytest.mark.parametrize("qos", [1, 2])
 def test_a_cut_link_loses_nothing_acknowledged_and_duplicates_no_qos2(nodes, qos):
     n1, n2, _ = nodes
@@ -484,9 +491,7 @@ def test_acknowledged_messages_for_a_dead_node_survive_the_publishing_node_dying
         payloads = [i.to_bytes(4, "big") + rng.randbytes(3 * 1024) for i in range(900)]
         started = time.monotonic()
         infos = [publisher.publish(topic, p, qos=1, wait=False) for p in payloads]
-        for info in infos:
-            info.wait_for_publish(20)
-            assert info.is_published()
+        all_acknowledged(infos, 20)
         assert time.monotonic() - started < 20
         n1.kill()
         cluster.start(1, wait=False)
@@ -965,6 +970,20 @@ def watch_wills(node: Node, *publishers: Node) -> Client:
     return watcher
 
 
+def connect_with_will(node: Node, client_id: str, clean: bool) -> socket.socket:
+    """A raw MQTT 3.1.1 connection to `node` whose will (QoS 1) is "gone" on wills/<id>."""
+    sock, _ = r.connect_client(
+        node.ip,
+        node.mqtt_port,
+        client_id,
+        clean=clean,
+        will_topic=f"wills/{client_id}",
+        will_payload=b"gone",
+        will_qos=1,
+    )
+    return sock
+
+
 def will_copies(*nodes: Node) -> float:
     return sum(metric(n, "cluster_will_copies") for n in nodes)
 
@@ -1138,23 +1157,13 @@ def test_sessions_of_a_killed_node_live_on_with_every_acknowledged_message_and_o
             c.connect()
             c.subscribe(topic, qos=1)
             c.disconnect()
-        sock, _ = r.connect_client(
-            n1.ip,
-            n1.mqtt_port,
-            lamp,
-            clean=False,
-            will_topic=f"wills/{lamp}",
-            will_payload=b"gone",
-            will_qos=1,
-        )
+        sock = connect_with_will(n1, lamp, clean=False)
         wait_rows(n2, "n1", 1)
         publisher = Client(endpoint(n2), client_id=unique("cpub"), version=5)
         publisher.connect()
         payloads = [f"{i}".encode() for i in range(300)]
         infos = [publisher.publish(topic, p, qos=1, wait=False) for p in payloads]
-        for info in infos:
-            info.wait_for_publish(20)
-            assert info.is_published()
+        all_acknowledged(infos, 20)
         # Acknowledged means a copy on another owner: none of them had to wait for a
         # missing one.
         assert metric(n1, "cluster_degraded_acks_total") == 0
@@ -1227,25 +1236,15 @@ def test_a_client_whose_home_is_frozen_resumes_elsewhere_with_every_acknowledged
         c.subscribe(topic, qos=1)
         c.disconnect()
         socks = [
-            r.connect_client(
-                n1.ip,
-                n1.mqtt_port,
-                cid,
-                clean=clean,
-                will_topic=f"wills/{cid}",
-                will_payload=b"gone",
-                will_qos=1,
-            )[0]
-            for cid, clean in ((lamp, False), (sensor, True))
+            connect_with_will(n1, lamp, clean=False),
+            connect_with_will(n1, sensor, clean=True),
         ]
         wait_rows(n2, "n1", 1)
         publisher = Client(endpoint(n2), client_id=unique("fpub"), version=5)
         publisher.connect()
         payloads = [f"{i}".encode() for i in range(50)]
         infos = [publisher.publish(topic, p, qos=1, wait=False) for p in payloads]
-        for info in infos:
-            info.wait_for_publish(10)
-            assert info.is_published()
+        all_acknowledged(infos, 10)
         time.sleep(1.5)  # will copies are stored once they lived a second
         assert n1.proc is not None
         os.kill(n1.proc.pid, signal.SIGSTOP)
@@ -1310,9 +1309,7 @@ def test_what_nodes_kept_for_a_dead_home_reaches_its_sessions_without_it_coming_
                 for k in range(first, first + count)
                 for i in range(len(ids))
             ]
-            for info in infos:
-                info.wait_for_publish(20)
-                assert info.is_published()
+            all_acknowledged(infos, 20)
 
         publish(0, 20)
         assert n1.proc is not None
@@ -1415,9 +1412,7 @@ def test_a_joining_node_is_streamed_the_copies_it_owns_and_the_home_can_then_die
             for k in range(40)
             for i in range(len(clients))
         ]
-        for info in infos:
-            info.wait_for_publish(20)
-            assert info.is_published()
+        all_acknowledged(infos, 20)
         publisher.disconnect()
         assert metric(n2, "cluster_session_copies") == 12
 

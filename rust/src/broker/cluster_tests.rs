@@ -1468,7 +1468,12 @@ fn copy_count(disk: &Disk) -> usize {
 
 /// Node 0 homes "dev" (offline, QoS 1 on `cmd/#`); node 1 is the other owner.
 fn dev_on_node0() -> (Nodes, Vec<Disk>) {
-    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
+    dev_on_node0_taken_over_after(0)
+}
+
+/// `dev_on_node0`, with `takeover_ms` as the engines' takeover time.
+fn dev_on_node0_taken_over_after(takeover_ms: u64) -> (Nodes, Vec<Disk>) {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], takeover_ms);
     offline_session(
         &mut n,
         0,
@@ -1481,11 +1486,20 @@ fn dev_on_node0() -> (Nodes, Vec<Disk>) {
 
 /// `dev_on_node0`, with "m1" published on node 2 and queued for dev.
 fn dev_on_node0_with_m1() -> (Nodes, Vec<Disk>) {
-    let (mut n, mut disks) = dev_on_node0();
+    let (n, disks, _) = dev_on_node0_with_m1_taken_over_after(0);
+    (n, disks)
+}
+
+/// `dev_on_node0_with_m1`, with `takeover_ms` as the engines' takeover time; and the
+/// publisher's connection on node 2.
+fn dev_on_node0_with_m1_taken_over_after(
+    takeover_ms: u64,
+) -> (Nodes, Vec<Disk>, crate::broker::ConnId) {
+    let (mut n, mut disks) = dev_on_node0_taken_over_after(takeover_ms);
     let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
     n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
     settle_and_sync(&mut n, &mut disks);
-    (n, disks)
+    (n, disks, publisher)
 }
 
 #[test]
@@ -1923,16 +1937,7 @@ fn a_claim_answered_from_two_copies_takes_the_more_current_one() {
 #[test]
 fn a_client_whose_home_stalls_resumes_from_the_copy_once_the_home_is_found_down() {
     // The failure timeout (5 s) is longer than a claim's 3 s wait for a peer that is up.
-    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 5_000);
-    offline_session(
-        &mut n,
-        0,
-        super::tests::connect("dev", Protocol::V311, false),
-        QoS::AtLeastOnce,
-    );
-    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
-    n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
-    settle_and_sync(&mut n, &mut disks);
+    let (mut n, mut disks, publisher) = dev_on_node0_with_m1_taken_over_after(5_000);
     // Node 0 stalls (SIGSTOP): its links stay up, and nothing goes in or out.
     n.cut.push((0, 1));
     n.cut.push((0, 2));
@@ -3073,6 +3078,20 @@ fn sensor_socket_closes(n: &mut Nodes, sensor: crate::broker::ConnId) {
     n.h[0].e.closed(sensor, now);
 }
 
+/// Node 0 comes back: the will it held reaches `watcher` (on node 2) no second time, and
+/// no copy is left to publish it later.
+fn assert_no_second_will_once_node0_is_back(
+    n: &mut Nodes,
+    disks: &mut [Disk],
+    watcher: crate::broker::ConnId,
+) {
+    node0_back_in_touch(n, disks);
+    tick_by(n, 0, 6_000);
+    owners_tick(n, disks, 6_000);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    assert_no_will_copies(n);
+}
+
 /// Node 0's links to nodes 1 and 2 come back, and every node ticks.
 fn node0_back_in_touch(n: &mut Nodes, disks: &mut [Disk]) {
     n.heal_link(0, 1);
@@ -3093,11 +3112,7 @@ fn a_connection_that_ends_while_its_node_is_cut_off_leaves_its_will_to_the_owner
     // Meanwhile the sensor's socket on node 0 closes: node 0 keeps the will (node 1 may
     // have published it), and learns that it did once their link is back.
     sensor_socket_closes(&mut n, sensor);
-    node0_back_in_touch(&mut n, &mut disks);
-    tick_by(&mut n, 0, 6_000);
-    owners_tick(&mut n, &mut disks, 6_000);
-    assert!(n.h[2].recv_one(watcher).is_empty());
-    assert_no_will_copies(&n);
+    assert_no_second_will_once_node0_is_back(&mut n, &mut disks, watcher);
 }
 
 #[test]
@@ -3139,11 +3154,7 @@ fn a_frozen_node_whose_sockets_close_as_it_resumes_does_not_publish_wills_publis
     sensor_socket_closes(&mut n, sensor);
     n.cut.clear();
     node0_dies(&mut n);
-    node0_back_in_touch(&mut n, &mut disks);
-    tick_by(&mut n, 0, 6_000);
-    owners_tick(&mut n, &mut disks, 6_000);
-    assert!(n.h[2].recv_one(watcher).is_empty());
-    assert_no_will_copies(&n);
+    assert_no_second_will_once_node0_is_back(&mut n, &mut disks, watcher);
 }
 
 #[test]
