@@ -7,9 +7,10 @@
 //!   (DISCONNECT 0x8E, as a takeover on one node) and answers with the session's store
 //!   records, or ends the session if the claim discards it (clean start, or this node holds
 //!   one already); a peer without it answers with none. The CONNECT goes on once every peer
-//!   asked has answered or gone down, or after `CLAIM_TIMEOUT_MS` (3 s) or a little past
-//!   the failure timeout if longer (a stalled home is found down then, and answered for
-//!   from its copy), with the session the answers brought (session present = 1).
+//!   asked has answered or gone down, or after `CLAIM_TIMEOUT_MS` (3 s; for a claim that
+//!   resumes a session, a little past the failure timeout if longer: a stalled home is
+//!   found down then, and answered for from its copy), with the session the answers
+//!   brought (session present = 1).
 //! - **Races.** The highest stamp wins. A node with its own claim out for the client answers
 //!   an older claim at once with none, and serves a newer one only after its own completed
 //!   (then as a takeover), so every node ends with the newest connect alive and no claim
@@ -221,7 +222,7 @@ impl Engine {
                 auth_data,
                 waiting: peers,
                 discard,
-                deadline: now + self.claim_wait_ms(),
+                deadline: now + self.claim_wait_ms(discard),
                 early: Vec::new(),
                 best_copy: None,
             },
@@ -231,7 +232,12 @@ impl Engine {
     /// How long a claim waits for silent peers: a stalled home (SIGSTOP, a frozen VM) is
     /// found down only at the failure timeout, and then the owners answer from its copy;
     /// giving up before would start a fresh session without what was acknowledged for it.
-    fn claim_wait_ms(&self) -> u64 {
+    /// A claim that discards the session wants nothing back: it goes on after 3 s (the
+    /// silent node ends its connection when it reads the claim, queued to it).
+    fn claim_wait_ms(&self, discard: bool) -> u64 {
+        if discard {
+            return CLAIM_TIMEOUT_MS;
+        }
         CLAIM_TIMEOUT_MS.max(self.cfg.cluster_takeover_ms + 2 * FOUND_DOWN_MS)
     }
 
