@@ -193,9 +193,7 @@ impl Engine {
     fn publish_kept_wills(&mut self, now: u64) {
         for (client, stamp, will) in std::mem::take(&mut self.wills.kept) {
             self.publish_will(will, BROKER_ORIGIN, now);
-            for peer in self.replicas.other_owners(&client) {
-                self.cluster.queue_will_gone(peer, &client, stamp);
-            }
+            self.tell_owners_gone(&client, stamp);
         }
     }
 
@@ -210,8 +208,13 @@ impl Engine {
         let Some(client) = self.session(sid).map(|s| s.client_id.clone()) else {
             return;
         };
-        for peer in self.replicas.other_owners(&client) {
-            self.cluster.queue_will_gone(peer, &client, stamp);
+        self.tell_owners_gone(&client, stamp);
+    }
+
+    /// The other owners drop their copies of `client`'s connection of version `stamp`.
+    fn tell_owners_gone(&mut self, client: &str, stamp: Stamp) {
+        for peer in self.replicas.other_owners(client) {
+            self.cluster.queue_will_gone(peer, client, stamp);
         }
     }
 

@@ -604,10 +604,8 @@ impl Engine {
         // Out of touch with another node, which may have published it meanwhile (in a
         // cluster): kept until in touch (a persistent session's as a will due now).
         let wait = abnormal && will.is_some() && self.wills_wait(now);
-        let will = match will {
-            Some(w) if wait && expiry == 0 && self.keep_will(sid, &w) => None,
-            will => will,
-        };
+        let kept = wait && expiry == 0 && will.as_deref().is_some_and(|w| self.keep_will(sid, w));
+        let will = if kept { None } else { will };
         self.will_ended(sid);
         if let (true, Some(will)) = (abnormal, will) {
             let delay = will.properties.will_delay_interval.unwrap_or(0);
