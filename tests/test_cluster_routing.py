@@ -34,6 +34,7 @@ from clusters import SECRET, Cluster, Node, run_subnet, wait_for
 from conftest import Client
 
 from fastbroker.cluster.dataplane import DATA
+from fastbroker.cluster.partitions import compute_map, partition_of
 from fastbroker.cluster.transport import Transport, parse_address
 
 pytestmark = pytest.mark.timeout(180)
@@ -1268,6 +1269,52 @@ def test_a_client_whose_home_is_frozen_resumes_elsewhere_with_every_acknowledged
         assert sub.drain(0.5) == []
         assert watcher.drain(0.5) == []
         for client in (sub, back, publisher, watcher):
+            client.disconnect()
+
+
+def test_a_claim_goes_through_the_partition_owner_and_does_not_wait_for_a_frozen_bystander(
+    tmp_path,
+):
+    """ "dev" is homed on n2 (offline, 20 QoS 1 messages acknowledged for it on n3), and its
+    partition is owned by n2 and n3. n1, which holds nothing of dev, is frozen (SIGSTOP: its
+    links stay open and say nothing). dev reconnects to n3: its claim goes through the
+    partition's first owner, which names n2 only, and it resumes at once with every
+    message. Sent to every node (protocol 9), the claim waited until n1 was found down at
+    the failure timeout (4 s here)."""
+    with Cluster(tmp_path, settings={"failure_timeout_ms": 4000}) as cluster:
+        n1, n2, n3 = start_cluster(cluster, 3)
+        owners = compute_map(["n1", "n2", "n3"]).replicas
+        dev = next(
+            cid
+            for cid in (unique("dev") for _ in range(1000))
+            if "n1" not in owners[partition_of(cid.encode(), len(owners))]
+        )
+        topic = unique("bystander/cmd")
+        expiry = {"SessionExpiryInterval": 300}
+        c = Client(endpoint(n2), client_id=dev, version=5, clean=False, props=expiry)
+        c.connect()
+        c.subscribe(topic, qos=1)
+        c.disconnect()
+        wait_rows(n3, "n2", 1)
+        publisher = Client(endpoint(n3), client_id=unique("bpub"), version=5)
+        publisher.connect()
+        payloads = [f"{i}".encode() for i in range(20)]
+        all_acknowledged([publisher.publish(topic, p, qos=1, wait=False) for p in payloads], 10)
+        directed = metric(n3, "cluster_claims_directed_total")
+        assert n1.proc is not None
+        os.kill(n1.proc.pid, signal.SIGSTOP)
+        try:
+            sub = Client(endpoint(n3), client_id=dev, version=5, clean=False, props=expiry)
+            started = time.monotonic()
+            assert sub.connect(timeout=10.0).session_present
+            took = time.monotonic() - started
+            assert [m.payload for m in sub.expect(20, 10.0)] == payloads
+        finally:
+            os.kill(n1.proc.pid, signal.SIGCONT)
+        assert took < 2.0, f"the CONNECT waited {took:.1f} s for the frozen node"
+        assert metric(n3, "cluster_claims_directed_total") == directed + 1
+        assert metric(n3, "cluster_claims_timed_out_total") == 0
+        for client in (sub, publisher):
             client.disconnect()
 
 

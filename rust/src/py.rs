@@ -489,6 +489,12 @@ impl PyEngine {
         d.set_item("sessions_in", s.sessions_in)?;
         d.set_item("sessions_out", s.sessions_out)?;
         d.set_item("kept_handed", s.kept_handed)?;
+        let (r, known) = self.inner.registry_stats();
+        d.set_item("routed", r.routed)?;
+        d.set_item("directed", r.directed)?;
+        d.set_item("broadcast", r.broadcast)?;
+        d.set_item("asked", r.asked)?;
+        d.set_item("registry_clients", known)?;
         Ok(d)
     }
 

@@ -397,6 +397,31 @@ class BrokerCollector:
             claims["timed_out"],
         )
         yield counter(
+            "cluster_claims_routed",
+            "Claims of other nodes this node stamped as their client id's partition owner",
+            claims["routed"],
+        )
+        yield counter(
+            "cluster_claims_directed",
+            "Claims of this node sent through an owner to the nodes it named",
+            claims["directed"],
+        )
+        yield counter(
+            "cluster_claims_broadcast",
+            "Claims of this node sent to every node in reach (no owner of protocol 10 in reach)",
+            claims["broadcast"],
+        )
+        yield counter(
+            "cluster_claim_messages",
+            "Claim messages this node sent (the nodes each claim asked)",
+            claims["asked"],
+        )
+        yield gauge(
+            "cluster_registry_clients",
+            "Client ids of partitions this node owns whose sessions it knows another node holds",
+            claims["registry_clients"],
+        )
+        yield counter(
             "cluster_sessions_received",
             "Sessions handed over to this node by another (their client reconnected here)",
             claims["sessions_in"],

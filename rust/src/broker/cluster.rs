@@ -746,6 +746,47 @@ impl Cluster {
         self.queue_reliable(id, 9, |items| items.will_gone(client_id, stamp));
     }
 
+    /// Registry items (protocol 10, `cluster_registry`).
+    pub(super) fn queue_homes<'c>(
+        &mut self,
+        id: PeerId,
+        map: u64,
+        first: bool,
+        last: bool,
+        clients: impl ExactSizeIterator<Item = &'c str>,
+    ) {
+        self.queue_reliable(id, 10, |items| items.homes(map, first, last, clients));
+    }
+
+    pub(super) fn queue_home(&mut self, id: PeerId, client_id: &str, here: bool) {
+        self.queue_reliable(id, 10, |items| items.home(client_id, here));
+    }
+
+    pub(super) fn queue_claim_route(&mut self, id: PeerId, client_id: &str, req: u64) {
+        self.queue_reliable(id, 10, |items| items.claim_route(client_id, req));
+    }
+
+    pub(super) fn queue_claim_routed(
+        &mut self,
+        id: PeerId,
+        client_id: &str,
+        req: u64,
+        stamp: Stamp,
+        ask: &[u64],
+    ) {
+        self.queue_reliable(id, 10, |items| {
+            items.claim_routed(client_id, req, stamp, ask)
+        });
+    }
+
+    /// Peers known (up or not), with their keys.
+    pub(super) fn peer_keys(&self) -> Vec<(PeerId, u64)> {
+        let peers = self.peers.iter().enumerate();
+        peers
+            .filter_map(|(i, p)| p.as_ref().map(|p| (i as PeerId, p.key)))
+            .collect()
+    }
+
     /// Tells peer `id` (protocol 8) that every node has our rows for `client_id`, which
     /// came here from it.
     pub(super) fn queue_relay_end(&mut self, id: PeerId, client_id: &str) {
@@ -1094,6 +1135,7 @@ impl Engine {
                 self.delete(key);
             }
         }
+        self.registry_peer_removed(id);
         let c = &mut self.cluster;
         c.set_rows(id, &[]);
         if let Some(slot) = c.peers.get_mut(usize::from(id)) {
@@ -1137,6 +1179,7 @@ impl Engine {
             self.queue_copy_checks(id);
             self.ask_kept_on_link_up(id);
             self.wills_link_up(id);
+            self.registry_link(id, true);
             self.queue_retained_set(id, now);
             self.give_up_deferred(id, now);
         } else {
@@ -1165,6 +1208,7 @@ impl Engine {
         }
         self.cluster.has_output = true;
         if !up {
+            self.registry_link(id, false);
             // A down peer never stalls publishers: its messages wait in the queue for it.
             self.release_acks();
             self.release_link_waiters();
@@ -1504,6 +1548,10 @@ impl Engine {
                 | Item::WillCopy { .. }
                 | Item::WillGone { .. }
                 | Item::WillFired { .. }
+                | Item::Homes { .. }
+                | Item::Home { .. }
+                | Item::ClaimRoute { .. }
+                | Item::ClaimRouted { .. }
                 | Item::KeptState { .. }
                 | Item::Applied(_)
                 | Item::Safe { .. } => {}
@@ -1687,6 +1735,22 @@ impl Engine {
                 Item::WillFired { client_id, stamp } => {
                     self.will_fired_received(client_id, stamp, now);
                 }
+                Item::Homes {
+                    map,
+                    first,
+                    last,
+                    clients,
+                } => self.homes_received(id, map, first, last, &clients),
+                Item::Home { client_id, here } => self.home_received(id, client_id, here),
+                Item::ClaimRoute { client_id, req } => {
+                    self.claim_route_received(id, client_id, req, now);
+                }
+                Item::ClaimRouted {
+                    client_id,
+                    req,
+                    stamp,
+                    ask,
+                } => self.claim_routed(id, client_id, req, stamp, &ask, now),
                 Item::KeptState {
                     client_id,
                     home,

@@ -26,7 +26,8 @@
 //!   current of the copies it gets (`Copy::at`: two owners besides the home can differ by
 //!   what was acknowledged with the first one only). An owner that still sees the
 //!   home up holds its answer until the home hands the session over or goes down (a killed
-//!   home's claimant may notice first). A home down for the takeover time (the failure
+//!   home's claimant may notice first), unless a newer claim of the client came to it: that
+//!   claimant takes over from this one, and the home may be waiting for this one. A home down for the takeover time (the failure
 //!   timeout) has its sessions taken over by the first owner that is up: it installs the
 //!   copy as a disconnected session, so the will of a connection that died with its node is
 //!   published (after its delay) and expiry is counted, once.
@@ -287,6 +288,7 @@ impl Engine {
         }
         self.drop_copies_not_owned();
         self.wills_map_changed();
+        self.registry_map_changed();
         let sids: Vec<SessionId> = self.by_client.values().copied().collect();
         for sid in sids {
             let Some(session) = self.session(sid) else {
@@ -549,6 +551,7 @@ impl Engine {
                     keys: HashSet::new(),
                 },
             );
+            self.registry_note(&client);
         }
         let store_key = records::copy_key(&client, key);
         let copy = self.replicas.copies.get_mut(&client).expect("made above");
@@ -580,6 +583,17 @@ impl Engine {
             self.delete(records::copy_key(client_id, &key));
         }
         self.delete(records::copy_key(client_id, b""));
+        self.registry_note(client_id);
+    }
+
+    /// Whether this node holds a copy of `client_id`'s session.
+    pub(super) fn holds_copy(&self, client_id: &str) -> bool {
+        self.replicas.copies.contains_key(client_id)
+    }
+
+    /// Client ids whose copies this node holds.
+    pub(super) fn copied_clients(&self) -> impl Iterator<Item = &Arc<str>> {
+        self.replicas.copies.keys()
     }
 
     /// A copy record read back at start-up.
@@ -1014,6 +1028,11 @@ impl Engine {
             return false;
         }
         let client: Arc<str> = Arc::from(client_id);
+        if home_up && self.newer_claim_seen(client_id, stamp) {
+            // The newer claimant takes over from this one: none, at once. (Watching, the
+            // answer could wait for a home whose own, newer claim waits for this claimant.)
+            return false;
+        }
         if home_up {
             // One per peer and client id (its newest claim): a peer cannot grow the list.
             self.replicas

@@ -2,8 +2,11 @@
 //! the node it reconnects to (docs/cluster-sessions.md).
 //!
 //! - **Claims.** A CONNECT accepted here for a client id is held (its connection is not
-//!   read) while a `Claim`, stamped with this node's hybrid logical clock, goes to every
-//!   reachable peer of protocol 3. A peer that holds the client closes its connection
+//!   read) while a `Claim`, stamped by the first owner of the client id's partition in
+//!   reach, goes to the nodes that owner names and the partition's owners
+//!   (`cluster_registry`; with no owner of protocol 10 in reach, stamped with this node's
+//!   hybrid logical clock, to every reachable peer of protocol 3). A peer that holds the
+//!   client closes its connection
 //!   (DISCONNECT 0x8E, as a takeover on one node) and answers with the session's store
 //!   records, or ends the session if the claim discards it (clean start, or this node holds
 //!   one already); a peer without it answers with none. The CONNECT goes on once every peer
@@ -36,10 +39,9 @@
 //!   Messages from peers of protocol 4 carry none: those the new home also got for its own
 //!   subscriptions (a forwarded message lists the other nodes it went to) are not relayed.
 //!
-//! Copies of sessions on the partition's owners: `cluster_replicas`. Not yet (issue 16):
-//! claims go to every reachable node, not through the partition's primary; a node that
-//! cannot reach the new home for longer than `RELAY_MAX_MS` misses it with what it
-//! publishes meanwhile.
+//! Copies of sessions on the partition's owners: `cluster_replicas`. Not yet (issue 16): a
+//! node that cannot reach the new home for longer than `RELAY_MAX_MS` misses it with what
+//! it publishes meanwhile.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -72,6 +74,10 @@ const RELAY_MAX_MS: u64 = 300_000;
 /// How long a session that moved here tells messages that reach it twice by their ids:
 /// the relay's time, and room for a relayed batch sent again after its link dropped.
 const RECENT_MS: u64 = 30_000;
+/// How long a claim waits for an owner to stamp it (a few round trips) before it asks the
+/// next owner in reach: one that is up but silent would hold it until found down.
+const ROUTE_MS: u64 = 1_000;
+
 /// Ids a moved session remembers at most (past that, a repeat can get through).
 const RECENT_MAX: usize = 1 << 16;
 
@@ -90,6 +96,13 @@ struct Claim {
     /// Messages for the session on its way here that reached this node first (through an
     /// old relay of it, or relayed before it arrived): delivered to it once installed.
     early: Vec<(Arc<Message>, QoS, bool, Vec<u32>)>,
+    /// The owner asked to stamp the claim, and the request's number, until it answers
+    /// (`stamp` is zero meanwhile: every peer's claim counts as newer and waits), or until
+    /// `route_until`: then the next owner in reach is asked.
+    route: Option<(PeerId, u64)>,
+    route_until: u64,
+    /// Owners that did not answer in time.
+    silent: Vec<PeerId>,
     /// The most current answer read from a copy so far (its home's moment, who sent it,
     /// the records), installed when every answer is in: owners' copies can lag each other
     /// by what was acknowledged with fewer of them.
@@ -196,37 +209,153 @@ impl Engine {
             // The same client connected here again meanwhile: the newer CONNECT goes on.
             self.refuse(old.conn, 0x89, "a newer CONNECT of this client arrived");
         }
-        let wall = self.wall(now);
-        let stamp = self.cluster.retained.next(wall);
-        self.answer_older_deferred(&client_id, stamp);
         // A session here discards the others, unless it is one restored at start-up that
         // another node may have taken over meanwhile: then the newest comes here.
         let here = self.by_client.get(&client_id).copied();
         let discard = pending.connect.clean_start || here.is_some_and(|sid| !self.unconfirmed(sid));
-        let mut peers = self.cluster.claim_peers();
-        for &peer in &peers {
-            self.cluster.queue_claim(peer, &client_id, stamp, discard);
-        }
-        if !discard && self.claim_own_copy(&client_id, None) {
-            peers.push(THIS_NODE);
-        }
         self.claims.stats.made += 1;
         self.conn_mut(id).expect("caller checked").state = ConnState::AwaitClaim;
         self.claims.pending.insert(
-            client_id,
+            client_id.clone(),
             Claim {
                 conn: id,
-                stamp,
+                stamp: Stamp::default(),
                 connect: pending,
                 auth_method,
                 auth_data,
-                waiting: peers,
+                waiting: Vec::new(),
                 discard,
                 deadline: now + self.claim_wait_ms(discard),
                 early: Vec::new(),
                 best_copy: None,
+                route: None,
+                route_until: 0,
+                silent: Vec::new(),
             },
         );
+        if self.route_claim(&client_id, false, now) {
+            // Nobody to ask (this node stamped it and holds all there is): the CONNECT goes
+            // on now, and its connection's reading with it.
+            self.finish_claim(&client_id, false, now);
+        }
+    }
+
+    /// Sends claim `client_id` of this node through the first owner of its partition in
+    /// reach (`cluster_registry`), or to every node in reach if there is none (`broadcast`,
+    /// or none in reach). True if no answer is to wait for.
+    fn route_claim(&mut self, client_id: &Arc<str>, broadcast: bool, now: u64) -> bool {
+        let silent = match self.claims.pending.get(client_id) {
+            Some(c) => c.silent.clone(),
+            None => return false,
+        };
+        let router = if broadcast {
+            None
+        } else {
+            self.claim_router(client_id, &silent)
+        };
+        match router {
+            Some(THIS_NODE) => {
+                let stamp = self.cluster.retained.next(self.wall(now));
+                let ask = self.claim_ask(client_id, THIS_NODE);
+                self.claim_from(client_id, stamp, Some(&ask), now)
+            }
+            Some(owner) => {
+                let req = self.registry.next_req();
+                self.cluster.queue_claim_route(owner, client_id, req);
+                let claim = self.claims.pending.get_mut(client_id).expect("checked");
+                claim.route = Some((owner, req));
+                claim.route_until = now + ROUTE_MS;
+                claim.waiting = vec![owner];
+                false
+            }
+            None => {
+                let stamp = self.cluster.retained.next(self.wall(now));
+                self.claim_from(client_id, stamp, None, now)
+            }
+        }
+    }
+
+    /// The owner of `client_id`'s partition a claim goes through: the first in map order
+    /// that is this node or in reach (and not `silent`), if it speaks protocol 10.
+    fn claim_router(&self, client_id: &str, silent: &[PeerId]) -> Option<PeerId> {
+        for owner in self.replicas.owners_of(client_id) {
+            if owner == THIS_NODE {
+                return Some(THIS_NODE);
+            }
+            if self.cluster.peer_up(owner) && !silent.contains(&owner) {
+                return (self.cluster.peer_protocol(owner) >= 10).then_some(owner);
+            }
+        }
+        None
+    }
+
+    /// Claim `client_id` of this node, stamped `stamp`, goes to the nodes `ask` names (keys;
+    /// all in reach if none) and the other owners of its partition, and this node's own
+    /// copy is read back if it has one.
+    /// True if no answer is to wait for.
+    fn claim_from(
+        &mut self,
+        client_id: &Arc<str>,
+        stamp: Stamp,
+        ask: Option<&[u64]>,
+        now: u64,
+    ) -> bool {
+        self.answer_older_deferred(client_id, stamp);
+        let Some(discard) = self.claims.pending.get(client_id).map(|c| c.discard) else {
+            return false;
+        };
+        let mut peers = self.cluster.claim_peers();
+        if let Some(ask) = ask {
+            let owners = self.replicas.other_owners(client_id);
+            peers.retain(|&p| owners.contains(&p) || ask.contains(&self.cluster.peer_key(p)));
+            self.registry.stats.directed += 1;
+        } else {
+            self.registry.stats.broadcast += 1;
+        }
+        self.registry.stats.asked += peers.len() as u64;
+        for &peer in &peers {
+            self.cluster.queue_claim(peer, client_id, stamp, discard);
+        }
+        if !discard && self.claim_own_copy(client_id, None) {
+            peers.push(THIS_NODE);
+        }
+        let wait = self.claim_wait_ms(discard);
+        let claim = self.claims.pending.get_mut(client_id).expect("checked");
+        claim.stamp = stamp;
+        claim.route = None;
+        claim.waiting = peers;
+        claim.deadline = now + wait;
+        claim.waiting.is_empty()
+    }
+
+    /// Owner `peer` stamped our claim `req` of `client_id` and named the nodes to ask.
+    pub(super) fn claim_routed(
+        &mut self,
+        peer: PeerId,
+        client_id: &str,
+        req: u64,
+        stamp: Stamp,
+        ask: &[u64],
+        now: u64,
+    ) {
+        let Some((id, _)) = self
+            .claims
+            .pending
+            .get_key_value(client_id)
+            .filter(|(_, c)| c.route == Some((peer, req)))
+        else {
+            return;
+        };
+        let id = id.clone();
+        self.cluster.retained.observe(stamp);
+        if self.claim_from(&id, stamp, Some(ask), now) {
+            self.finish_claim(&id, true, now);
+        }
+    }
+
+    /// Whether this node has a claim of `client_id` in flight.
+    pub(super) fn claims_pending(&self, client_id: &str) -> bool {
+        self.claims.pending.contains_key(client_id)
     }
 
     /// How long a claim waits for silent peers: a stalled home (SIGSTOP, a frozen VM) is
@@ -271,6 +400,7 @@ impl Engine {
     ) {
         self.cluster.retained.observe(stamp);
         self.will_on_claim(client_id, now);
+        self.note_claimant(client_id, peer, stamp, now);
         if let Some(ours) = self.claims.pending.get(client_id) {
             if ours.stamp > stamp {
                 // Ours is newer: theirs finds nothing here, and ours takes over from it.
@@ -420,7 +550,7 @@ impl Engine {
             _ => false,
         };
         if done {
-            self.finish_claim(client_id, now);
+            self.finish_claim(client_id, true, now);
         }
     }
 
@@ -576,7 +706,9 @@ impl Engine {
 
     /// Every answer is in (or no more can come): the CONNECT goes on, and the newer claims
     /// of peers that waited for it are served.
-    fn finish_claim(&mut self, client_id: &str, now: u64) {
+    /// `run`: what the client sent while it waited is handled now (not when the CONNECT is
+    /// being handled: its reading goes on).
+    fn finish_claim(&mut self, client_id: &str, run: bool, now: u64) {
         let Some(mut claim) = self.claims.pending.remove(client_id) else {
             return;
         };
@@ -614,7 +746,7 @@ impl Engine {
                 }
             }
         }
-        if live {
+        if live && run {
             // What the client sent while it waited is handled now.
             self.run(claim.conn, now);
         }
@@ -632,6 +764,19 @@ impl Engine {
 
     /// Peer `peer`'s link went down: claims stop waiting for it.
     pub(super) fn claims_peer_down(&mut self, peer: PeerId, now: u64) {
+        // Claims that owner was to stamp go through the next one in reach.
+        let unrouted: Vec<Arc<str>> = self
+            .claims
+            .pending
+            .iter()
+            .filter(|(_, c)| c.route.is_some_and(|r| r.0 == peer))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in unrouted {
+            if self.route_claim(&id, false, now) {
+                self.finish_claim(&id, true, now);
+            }
+        }
         // A claim for a client of that peer whose copy is here reads it back.
         let own: Vec<Arc<str>> = self
             .claims
@@ -658,7 +803,7 @@ impl Engine {
             .collect();
         self.claims.deferred.retain(|d| d.0 != peer);
         for id in done {
-            self.finish_claim(&id, now);
+            self.finish_claim(&id, true, now);
         }
         // Claims waiting on this node's copies: a home that went down is answered for.
         self.watch_copies(now);
@@ -693,7 +838,33 @@ impl Engine {
             .collect();
         for id in late {
             self.claims.stats.timed_out += 1;
-            self.finish_claim(&id, now);
+            if self
+                .claims
+                .pending
+                .get(&id)
+                .is_some_and(|c| c.route.is_some())
+            {
+                // No owner stamped it in time: it goes to every node in reach, so that a
+                // connection of the client elsewhere still ends when its node reads it.
+                self.route_claim(&id, true, now);
+            }
+            self.finish_claim(&id, true, now);
+        }
+        // An owner up but silent (stalled) does not stamp a claim: the next one does.
+        let unrouted: Vec<Arc<str>> = self
+            .claims
+            .pending
+            .iter()
+            .filter(|(_, c)| c.route.is_some() && now >= c.route_until)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in unrouted {
+            let claim = self.claims.pending.get_mut(&id).expect("listed");
+            let (owner, _) = claim.route.take().expect("listed");
+            claim.silent.push(owner);
+            if self.route_claim(&id, false, now) {
+                self.finish_claim(&id, true, now);
+            }
         }
     }
 
@@ -758,6 +929,7 @@ impl Engine {
         let id = session.client_id.clone();
         if self.by_client.get(&id) == Some(&sid) {
             self.by_client.remove(&id);
+            self.registry_note(&id);
         }
         // A claimant of protocol 8 says when every node has its rows (`RelayEnd`).
         let relay = if long && self.cluster.peer_protocol(peer) >= 8 {

@@ -1044,7 +1044,7 @@ fn with_every_node_holding_the_new_homes_rows_the_relay_ends_within_moments() {
     let dev = n.h[0].connect("roamer", Protocol::V311, false);
     n.h[0].subscribe(dev, "cmd/roamer", QoS::AtLeastOnce);
     n.settle();
-    protocol(&mut n, 8);
+    protocol(&mut n, LATEST);
     let back = n.h[1].open_connect(super::tests::connect("roamer", Protocol::V311, false));
     n.settle();
     assert!(connack(&n.h[1].recv_one(back)).session_present);
@@ -1318,8 +1318,8 @@ fn a_session_that_comes_straight_back_gets_what_its_old_relay_caught_meanwhile()
 
 // ---- copies of sessions on their partition's owners (broker::cluster_replicas) ----
 
-/// Durable nodes speaking protocol 4, one partition owned by nodes `owners` (primary
-/// first), each with its own disk; `takeover_ms` as the engines' takeover time.
+/// Durable nodes speaking this build's protocol, one partition owned by nodes `owners`
+/// (primary first), each with its own disk; `takeover_ms` as the engines' takeover time.
 fn copying_nodes(n: usize, owners: &[usize], takeover_ms: u64) -> (Nodes, Vec<Disk>) {
     let cfg = Config {
         cluster_takeover_ms: takeover_ms,
@@ -1333,7 +1333,7 @@ fn copying_nodes(n: usize, owners: &[usize], takeover_ms: u64) -> (Nodes, Vec<Di
         })
         .collect();
     let mut nodes = Nodes::with(h);
-    protocol(&mut nodes, 4);
+    protocol(&mut nodes, LATEST);
     for i in 0..n {
         set_map(&mut nodes, i, owners, 1);
     }
@@ -1349,6 +1349,9 @@ fn connect_on(n: &mut Nodes, i: usize, c: crate::codec::Connect) -> crate::broke
     assert!(matches!(got.first(), Some(Packet::ConnAck(_))), "{got:?}");
     id
 }
+
+/// The protocol version nodes of this build speak (`transport.PROTOCOL_MAX`).
+const LATEST: u16 = 10;
 
 fn protocol(n: &mut Nodes, version: u16) {
     for i in 0..n.h.len() {
@@ -1692,6 +1695,7 @@ fn tick_after(n: &mut Nodes, i: usize, ms: u64) {
 fn a_map_change_moves_the_copy_to_the_new_owner_and_the_old_one_drops_it() {
     // Protocol 4 (before streams): the former owner drops its copy at the map change.
     let (mut n, mut disks) = dev_on_node0();
+    protocol(&mut n, 4);
     assert_eq!(copy_count(&disks[1]), 2);
     // The partition moves from node 1 to node 2.
     for i in 0..3 {
@@ -1719,7 +1723,7 @@ fn a_map_change_moves_the_copy_to_the_new_owner_and_the_old_one_drops_it() {
 /// to node 2 on every node.
 fn dev_moving_from_node1_to_node2() -> (Nodes, Vec<Disk>, crate::broker::ConnId) {
     let (mut n, mut disks) = dev_on_node0_with_m1();
-    protocol(&mut n, 6);
+    protocol(&mut n, LATEST);
     assert_eq!(copy_count(&disks[1]), 3);
     for i in 0..3 {
         set_map(&mut n, i, &[0, 2], 2);
@@ -1805,7 +1809,7 @@ fn a_home_that_dies_before_the_new_owner_has_its_copy_leaves_it_on_the_former_ow
 #[test]
 fn streaming_after_a_map_change_is_paced_by_the_new_owners_link() {
     let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
-    protocol(&mut n, 6);
+    protocol(&mut n, LATEST);
     // 48 offline sessions with a 400 kB message each (that compresses about 2:1 in the
     // store): about 10 MB to move.
     let mut x: u64 = 1;
@@ -1867,7 +1871,7 @@ fn streaming_after_a_map_change_is_paced_by_the_new_owners_link() {
 #[test]
 fn an_owner_back_with_an_empty_disk_is_streamed_the_copies_it_lacks() {
     let (mut n, mut disks) = dev_on_node0_with_m1();
-    protocol(&mut n, 6);
+    protocol(&mut n, LATEST);
     assert_eq!(copy_count(&disks[1]), 3);
     // Node 1 comes back with an empty data directory.
     n.cut_link(1, 0);
@@ -1880,7 +1884,7 @@ fn an_owner_back_with_an_empty_disk_is_streamed_the_copies_it_lacks() {
     }
     n.h[1] = fresh;
     disks[1] = Disk::new();
-    protocol(&mut n, 6);
+    protocol(&mut n, LATEST);
     set_map(&mut n, 1, &[0, 1], 1);
     n.heal_link(1, 0);
     n.heal_link(1, 2);
@@ -1896,7 +1900,7 @@ fn an_owner_back_with_an_empty_disk_is_streamed_the_copies_it_lacks() {
 fn a_claim_answered_from_two_copies_takes_the_more_current_one() {
     // Node 0 homes dev; nodes 1 and 2 own its partition (both hold copies); node 3 claims.
     let (mut n, mut disks) = copying_nodes(4, &[1, 2], 0);
-    protocol(&mut n, 6);
+    protocol(&mut n, LATEST);
     offline_session(
         &mut n,
         0,
@@ -2111,7 +2115,17 @@ fn a_copy_of_an_older_version_is_refused_and_its_sender_fenced() {
 
 #[test]
 fn a_message_published_on_the_new_home_during_its_claim_reaches_the_moved_session() {
+    // Protocol 10: node 1's claim goes through node 0 (the primary) first, and reaches it
+    // after "early", which then goes with the session's records. Before, the claim came
+    // first and node 0 relayed "early".
+    for (version, relayed) in [(LATEST, 0), (9, 1)] {
+        message_published_on_the_new_home_during_its_claim(version, relayed);
+    }
+}
+
+fn message_published_on_the_new_home_during_its_claim(version: u16, relayed: u64) {
     let (mut n, mut disks) = copying_nodes(2, &[0, 1], 0);
+    protocol(&mut n, version);
     offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
     let publisher = connect_on(&mut n, 1, super::tests::connect("pub", Protocol::V5, true));
     settle_and_sync(&mut n, &mut disks);
@@ -2125,7 +2139,7 @@ fn a_message_published_on_the_new_home_during_its_claim_reaches_the_moved_sessio
     n.h[1].publish(publisher, "cmd/dev", "late", QoS::AtLeastOnce, false);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(payloads(&n.h[1].recv_one(back)), ["late"]);
-    assert_eq!(n.h[0].e.claim_stats().relayed, 1);
+    assert_eq!(n.h[0].e.claim_stats().relayed, relayed);
 }
 
 #[test]
@@ -2192,7 +2206,7 @@ fn a_message_a_dead_home_stored_but_did_not_copy_reaches_the_session_where_it_li
 #[test]
 fn a_home_back_long_after_its_session_moved_sends_on_nothing_it_held() {
     let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
-    protocol(&mut n, 6);
+    protocol(&mut n, LATEST);
     offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
     let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
     n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
@@ -2409,7 +2423,7 @@ fn a_node_out_of_reach_at_the_takeover_is_asked_once_its_link_is_back() {
 fn a_session_that_moves_on_while_its_dead_home_is_down_takes_what_was_kept_for_it_once() {
     // Node 0 homes "dev" (owners 0 and 1) and dies; node 1 keeps "j1" for it, node 2 "k1".
     let (mut n, mut disks) = copying_nodes(4, &[0, 1], 0);
-    protocol(&mut n, 8);
+    protocol(&mut n, LATEST);
     offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
     let pub1 = connect_on(&mut n, 1, super::tests::connect("pub1", Protocol::V5, true));
     let pub2 = connect_on(&mut n, 2, super::tests::connect("pub2", Protocol::V5, true));
@@ -2456,7 +2470,7 @@ fn a_session_that_moves_on_while_its_dead_home_is_down_takes_what_was_kept_for_i
 #[test]
 fn kept_state_from_a_peer_that_did_not_hand_the_session_over_is_refused() {
     let mut n = Nodes::new(2);
-    protocol(&mut n, 8);
+    protocol(&mut n, LATEST);
     let dev = connect_on(
         &mut n,
         1,
@@ -2615,7 +2629,7 @@ fn will_holder_on_node0() -> (
     crate::broker::ConnId,
 ) {
     let (mut n, mut disks) = copying_nodes(3, &[1, 2], 5_000);
-    protocol(&mut n, 9);
+    protocol(&mut n, LATEST);
     let watcher = connect_on(
         &mut n,
         2,
@@ -2813,7 +2827,7 @@ fn a_link_that_drops_and_comes_back_keeps_the_will_copies() {
 #[test]
 fn persistent_sessions_and_older_peers_get_no_will_copies_and_strays_are_refused() {
     let (mut n, mut disks) = copying_nodes(3, &[1, 2], 5_000);
-    protocol(&mut n, 9);
+    protocol(&mut n, LATEST);
     // A persistent session's will goes with its session copy instead.
     let mut c = persistent_v5("lamp");
     c.will = Some(crate::codec::LastWill {
@@ -2914,7 +2928,7 @@ fn a_node_killed_and_back_before_the_takeover_time_has_its_dead_connections_will
 #[test]
 fn an_owner_that_restarts_does_not_take_sessions_over_from_homes_whose_links_are_connecting() {
     let (mut n, mut disks) = copying_nodes(3, &[1, 2], 5_000);
-    protocol(&mut n, 9);
+    protocol(&mut n, LATEST);
     offline_session(&mut n, 0, persistent_v5("lamp"), QoS::AtLeastOnce);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(n.h[1].e.replica_stats().copies, 1);
@@ -3209,4 +3223,176 @@ fn an_owner_restarted_before_the_home_is_back_still_tells_it_that_the_will_went_
     tick_by(&mut n, 0, 6_000);
     owners_tick(&mut n, &mut disks, 6_000);
     assert!(n.h[2].recv_one(watcher).is_empty());
+}
+
+// ---- claims through the partition's primary (broker::cluster_registry) ----
+
+#[test]
+fn a_claim_through_the_primary_asks_only_the_owners_and_the_home_not_a_silent_node() {
+    for version in [LATEST, 9] {
+        let (mut n, mut disks) = copying_nodes(4, &[0, 1], 5_000);
+        protocol(&mut n, version);
+        offline_session(&mut n, 2, persistent_v5("dev"), QoS::AtLeastOnce);
+        let publisher = connect_on(&mut n, 0, super::tests::connect("pub", Protocol::V5, true));
+        n.h[0].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+        settle_and_sync(&mut n, &mut disks);
+        // Node 3 stalls: its links stay up, nothing goes in or out. It holds nothing of dev.
+        for i in 0..3 {
+            n.cut.push((3, i));
+        }
+        let back = n.h[1].open_connect(persistent_v5("dev"));
+        settle_and_sync(&mut n, &mut disks);
+        let (stats, _) = n.h[1].e.registry_stats();
+        if version == LATEST {
+            // Node 1, an owner, stamps its own claim: node 0 (the other owner) and node 2
+            // (the home) are asked, and the session comes at once.
+            assert_eq!((stats.directed, stats.broadcast, stats.asked), (1, 0, 2));
+            assert_resumed(&mut n, 1, back, &["m1"]);
+        } else {
+            // Every node is asked, and the claim waits for node 3.
+            assert_eq!((stats.directed, stats.broadcast, stats.asked), (0, 1, 3));
+            assert!(n.h[1].recv_one(back).is_empty());
+        }
+    }
+}
+
+#[test]
+fn a_claim_of_a_non_owner_is_stamped_by_the_primary_and_sent_where_the_session_is() {
+    let (mut n, mut disks) = copying_nodes(4, &[0, 1], 5_000);
+    offline_session(&mut n, 2, persistent_v5("dev"), QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 0, super::tests::connect("pub", Protocol::V5, true));
+    n.h[0].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    // Node 3 claims: node 0 stamps it and names node 2, the home.
+    let back = n.h[3].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 3, back, &["m1"]);
+    assert_eq!(
+        n.h[0].e.registry_stats().0.routed,
+        2,
+        "dev's first connect, then this"
+    );
+    let (stats, _) = n.h[3].e.registry_stats();
+    assert_eq!(
+        (stats.directed, stats.asked),
+        (1, 3),
+        "owners 0 and 1, home 2"
+    );
+    // Now the owners know node 3 holds it: the next claim, from node 2, asks node 3 only
+    // besides the owners.
+    let before = n.h[2].e.registry_stats().0.asked;
+    let again = n.h[2].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    // m1 again: the client on node 3 had not acknowledged it.
+    assert_resumed(&mut n, 2, again, &["m1"]);
+    let asked = n.h[2].e.registry_stats().0.asked - before;
+    assert_eq!(asked, 3, "owners 0 and 1, home 3");
+    let sessions: Vec<usize> = n.h.iter().map(|h| h.e.session_count()).collect();
+    assert_eq!(sessions, [1, 0, 1, 0], "pub on node 0, dev on node 2");
+}
+
+#[test]
+fn a_claim_whose_primary_is_silent_is_stamped_by_the_next_owner_after_a_second() {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 5_000);
+    offline_session(&mut n, 1, persistent_v5("dev"), QoS::AtLeastOnce);
+    settle_and_sync(&mut n, &mut disks);
+    n.cut.push((0, 1));
+    n.cut.push((0, 2));
+    let back = n.h[2].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    tick_by(&mut n, 2, 999);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[1].e.registry_stats().0.routed, 0);
+    tick_by(&mut n, 2, 1);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[1].e.registry_stats().0.routed, 1);
+    // Node 1 hands the session over; the claim still waits for node 0 (an owner: its copy)
+    // until node 0 is found down.
+    assert!(n.h[2].recv_one(back).is_empty());
+    n.cut.clear();
+    node0_dies(&mut n);
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 2, back, &[]);
+    assert_eq!(n.h[2].e.claim_stats().timed_out, 0);
+}
+
+/// Frames delivered in an order `seed` picks, node by node, each node's store written and
+/// its copies read back as the data plane does, until none is left.
+fn settle_shuffled(n: &mut Nodes, disks: &mut [Disk], seed: u64) {
+    let mut x = seed | 1;
+    for _ in 0..400 {
+        for (h, disk) in n.h.iter_mut().zip(disks.iter_mut()) {
+            sync(h, disk);
+            serve_copy_loads(h, disk);
+        }
+        if !n.h.iter().any(|h| h.e.has_cluster_output()) {
+            return;
+        }
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let i = (x % n.h.len() as u64) as usize;
+        step(n, i);
+    }
+    panic!("frames never stopped flowing");
+}
+
+#[test]
+fn racing_connects_through_the_primary_leave_one_session_whatever_the_order() {
+    // Half through the primary, half sent to every node (protocol 9).
+    for seed in 1..400u64 {
+        let (mut n, mut disks) = copying_nodes(4, &[0, 1], 0);
+        protocol(&mut n, if seed % 2 == 0 { LATEST } else { 9 });
+        offline_session(&mut n, 3, persistent_v5("dup"), QoS::AtLeastOnce);
+        settle_and_sync(&mut n, &mut disks);
+        let conns: Vec<_> = (0..3)
+            .map(|i| {
+                n.h[i].now += seed % 3;
+                n.h[i].open_connect(persistent_v5("dup"))
+            })
+            .collect();
+        settle_shuffled(&mut n, &mut disks, seed);
+        let mut alive = Vec::new();
+        for (i, &c) in conns.iter().enumerate() {
+            let got = n.h[i].recv_one(c);
+            assert_eq!(connack(&got).reason_code, 0, "seed {seed}: {got:?}");
+            let taken_over = got
+                .iter()
+                .any(|p| matches!(p, Packet::Disconnect(d) if d.reason_code == 0x8E));
+            if !taken_over && !n.h[i].closed.contains(&c) {
+                alive.push(i);
+            }
+        }
+        assert_eq!(alive.len(), 1, "seed {seed}: {alive:?}");
+        let sessions: Vec<usize> = n.h.iter().map(|h| h.e.session_count()).collect();
+        assert_eq!(
+            sessions.iter().sum::<usize>(),
+            1,
+            "seed {seed}: {sessions:?}"
+        );
+        assert_eq!(sessions[alive[0]], 1, "seed {seed}");
+        assert!(
+            n.h.iter().all(|h| h.e.claim_stats().timed_out == 0),
+            "seed {seed}"
+        );
+    }
+}
+
+#[test]
+fn an_owner_that_does_not_know_every_nodes_sessions_names_those_nodes() {
+    let (mut n, mut disks) = copying_nodes(4, &[0, 1], 0);
+    offline_session(&mut n, 2, persistent_v5("dev"), QoS::AtLeastOnce);
+    settle_and_sync(&mut n, &mut disks);
+    let node2 = super::cluster_retained::node_key("node2");
+    assert_eq!(n.h[0].e.claim_ask("dev", n.peer[0][1]), [node2]);
+    // Node 0 restarts with an empty disk: without a map it names every node; the lists
+    // came with the links.
+    n.restart_empty(0);
+    assert_eq!(n.h[0].e.claim_ask("dev", n.peer[0][1]).len(), 2);
+    protocol(&mut n, LATEST);
+    set_map(&mut n, 0, &[0, 1], 1);
+    assert_eq!(n.h[0].e.claim_ask("dev", n.peer[0][1]), [node2]);
+    // A link that drops makes that node's list not whole until it comes again.
+    n.cut_link(0, 3);
+    assert_eq!(n.h[0].e.claim_ask("dev", n.peer[0][1]).len(), 2);
 }

@@ -343,7 +343,8 @@ impl Engine {
                 (self.sessions.len() - 1) as SessionId
             }
         };
-        self.by_client.insert(client_id, sid);
+        self.by_client.insert(client_id.clone(), sid);
+        self.registry_note(&client_id);
         sid
     }
 

@@ -11,6 +11,7 @@ mod auth;
 mod cluster;
 mod cluster_gates;
 mod cluster_kept;
+mod cluster_registry;
 mod cluster_replicas;
 mod cluster_retained;
 mod cluster_sessions;
@@ -137,6 +138,7 @@ pub struct Engine {
     intercepted: intercept::InterceptQueue,
     cluster: cluster::Cluster,
     claims: cluster_sessions::Claims,
+    registry: cluster_registry::Registry,
     replicas: cluster_replicas::Replicas,
     wills: cluster_wills::Wills,
     gates: cluster_gates::Gates,
@@ -177,6 +179,7 @@ impl Engine {
             intercepted: intercept::InterceptQueue::default(),
             cluster: cluster::Cluster::default(),
             claims: cluster_sessions::Claims::default(),
+            registry: cluster_registry::Registry::default(),
             replicas: cluster_replicas::Replicas::default(),
             wills: cluster_wills::Wills::default(),
             gates: cluster_gates::Gates::default(),
@@ -665,6 +668,7 @@ impl Engine {
         // A session handed to another node no longer owns its id here.
         if self.by_client.get(&session.client_id) == Some(&sid) {
             self.by_client.remove(&session.client_id);
+            self.registry_note(&session.client_id);
         }
         self.free_sessions.push(sid);
         Some(session)

@@ -37,6 +37,7 @@ impl Engine {
     pub fn tick(&mut self, now: u64) {
         self.last_now = now;
         self.claims_tick(now);
+        self.registry_tick(now);
         self.replicas_tick(now);
         self.wills_tick(now);
         let connect_timeout = self.cfg.connect_timeout_ms;

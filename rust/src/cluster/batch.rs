@@ -70,6 +70,14 @@ const ITEM_KEPT_STATE: u8 = 22;
 const ITEM_WILL_COPY: u8 = 23;
 const ITEM_WILL_GONE: u8 = 24;
 const ITEM_WILL_FIRED: u8 = 25;
+/// Protocol 10.
+const ITEM_HOMES: u8 = 26;
+const ITEM_HOME: u8 = 27;
+const ITEM_CLAIM_ROUTE: u8 = 28;
+const ITEM_CLAIM_ROUTED: u8 = 29;
+/// `Homes` flags.
+const HOMES_FIRST: u8 = 1;
+const HOMES_LAST: u8 = 2;
 /// `KeptAsk` flags.
 const ASK_AGAIN: u8 = 1;
 const ASK_APPLIED: u8 = 2;
@@ -309,6 +317,37 @@ pub enum Item<'a> {
         epoch: u64,
         seq: u64,
     },
+    /// The sender holds the sessions of `clients` (connected or not), of partitions the
+    /// receiver owns in map `map` (protocol 10): a snapshot in parts; `first` replaces what
+    /// the receiver knew of the sender, `last` ends it.
+    Homes {
+        map: u64,
+        first: bool,
+        last: bool,
+        clients: Vec<&'a str>,
+    },
+    /// A session of `client_id` came to the sender (`here`) or left it (protocol 10; sent to
+    /// the owners of its partition).
+    Home {
+        client_id: &'a str,
+        here: bool,
+    },
+    /// The sender has a CONNECT for `client_id`: the receiver, the first owner of its
+    /// partition the sender reaches, stamps the claim (after every claim it stamped before)
+    /// and says which nodes may hold the client (protocol 10).
+    ClaimRoute {
+        client_id: &'a str,
+        req: u64,
+    },
+    /// The answer to `ClaimRoute` number `req`: the claim's stamp and the nodes (keys) to
+    /// claim from: where the client's session is, claims stamped before, and nodes whose
+    /// sessions the sender does not all know.
+    ClaimRouted {
+        client_id: &'a str,
+        req: u64,
+        stamp: Stamp,
+        ask: Vec<u64>,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -545,6 +584,55 @@ impl ItemWriter {
         self.w.u32(ids.len() as u32);
         for id in ids {
             self.w.u64((id >> 64) as u64).u64(id as u64);
+        }
+        self.count += 1;
+    }
+
+    pub fn homes<'c>(
+        &mut self,
+        map: u64,
+        first: bool,
+        last: bool,
+        clients: impl ExactSizeIterator<Item = &'c str>,
+    ) {
+        let flags = if first { HOMES_FIRST } else { 0 } | if last { HOMES_LAST } else { 0 };
+        self.w
+            .u8(ITEM_HOMES)
+            .u64(map)
+            .u8(flags)
+            .u32(clients.len() as u32);
+        for c in clients {
+            self.w.bytes(c.as_bytes());
+        }
+        self.count += 1;
+    }
+
+    pub fn home(&mut self, client_id: &str, here: bool) {
+        self.w
+            .u8(ITEM_HOME)
+            .bytes(client_id.as_bytes())
+            .u8(u8::from(here));
+        self.count += 1;
+    }
+
+    pub fn claim_route(&mut self, client_id: &str, req: u64) {
+        self.w
+            .u8(ITEM_CLAIM_ROUTE)
+            .bytes(client_id.as_bytes())
+            .u64(req);
+        self.count += 1;
+    }
+
+    pub fn claim_routed(&mut self, client_id: &str, req: u64, stamp: Stamp, ask: &[u64]) {
+        self.w
+            .u8(ITEM_CLAIM_ROUTED)
+            .bytes(client_id.as_bytes())
+            .u64(req)
+            .u64(stamp.clock)
+            .u64(stamp.node)
+            .u32(ask.len() as u32);
+        for &k in ask {
+            self.w.u64(k);
         }
         self.count += 1;
     }
@@ -892,6 +980,53 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
             client_id: client_id(r.bytes()?)?,
             stamp: read_stamp(r)?,
         },
+        ITEM_HOMES => {
+            let map = r.u64()?;
+            let flags = r.u8()?;
+            if flags & !(HOMES_FIRST | HOMES_LAST) != 0 {
+                return Err(BatchError("bad homes flags".into()));
+            }
+            let n = r.u32()?;
+            let mut clients = Vec::new();
+            for _ in 0..n {
+                clients.push(client_id(r.bytes()?)?);
+            }
+            Item::Homes {
+                map,
+                first: flags & HOMES_FIRST != 0,
+                last: flags & HOMES_LAST != 0,
+                clients,
+            }
+        }
+        ITEM_HOME => {
+            let client_id = client_id(r.bytes()?)?;
+            let here = match r.u8()? {
+                0 => false,
+                1 => true,
+                _ => return Err(BatchError("bad home flag".into())),
+            };
+            Item::Home { client_id, here }
+        }
+        ITEM_CLAIM_ROUTE => Item::ClaimRoute {
+            client_id: client_id(r.bytes()?)?,
+            req: r.u64()?,
+        },
+        ITEM_CLAIM_ROUTED => {
+            let client_id = client_id(r.bytes()?)?;
+            let req = r.u64()?;
+            let stamp = read_stamp(r)?;
+            let n = r.u32()?;
+            let mut ask = Vec::new();
+            for _ in 0..n {
+                ask.push(r.u64()?);
+            }
+            Item::ClaimRouted {
+                client_id,
+                req,
+                stamp,
+                ask,
+            }
+        }
         ITEM_KEPT_STATE => {
             let client_id = client_id(r.bytes()?)?;
             let home = r.u64()?;
@@ -1137,6 +1272,12 @@ mod tests {
         w.will_copy("dev-6", stamp, b"will");
         w.will_gone("dev-6", stamp);
         w.will_fired("dev-6", stamp);
+        w.homes(4, true, false, ["dev-7", "dev-8"].into_iter());
+        w.homes(4, false, true, [].into_iter());
+        w.home("dev-7", true);
+        w.home("dev-8", false);
+        w.claim_route("dev-9", 17);
+        w.claim_routed("dev-9", 17, stamp, &[5, 6]);
         w.kept_state("dev-4", 99, &[mark], [7u128 << 64 | 3, 1].into_iter());
         w.safe(8, 9);
         let subs = [
@@ -1269,6 +1410,36 @@ mod tests {
                 Item::WillFired {
                     client_id: "dev-6",
                     stamp
+                },
+                Item::Homes {
+                    map: 4,
+                    first: true,
+                    last: false,
+                    clients: vec!["dev-7", "dev-8"]
+                },
+                Item::Homes {
+                    map: 4,
+                    first: false,
+                    last: true,
+                    clients: vec![]
+                },
+                Item::Home {
+                    client_id: "dev-7",
+                    here: true
+                },
+                Item::Home {
+                    client_id: "dev-8",
+                    here: false
+                },
+                Item::ClaimRoute {
+                    client_id: "dev-9",
+                    req: 17
+                },
+                Item::ClaimRouted {
+                    client_id: "dev-9",
+                    req: 17,
+                    stamp,
+                    ask: vec![5, 6]
                 },
                 Item::KeptState {
                     client_id: "dev-4",

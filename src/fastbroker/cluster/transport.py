@@ -73,9 +73,11 @@ MAGIC = "fastbroker-cluster"
 # copy that moves on carries what was kept for that home with it (KeptState). Version 9: a
 # node copies the will of a connection whose session ends with it to the partition's owners
 # (WillCopy, WillGone), which publish it if that node dies, and tell it if it was only out of
-# reach (WillFired).
+# reach (WillFired). Version 10: the owners of a client id's partition know which nodes hold
+# its sessions (Homes, Home), and a claim goes through the first owner in reach, which stamps
+# it and names the nodes to claim from (ClaimRoute, ClaimRouted).
 PROTOCOL_MIN = 2
-PROTOCOL_MAX = 9
+PROTOCOL_MAX = 10
 
 CONTROL = "control"
 DATA_CHANNEL = "data"
