@@ -1289,12 +1289,9 @@ def test_a_claim_goes_through_the_partition_owner_and_does_not_wait_for_a_frozen
             for cid in (unique("dev") for _ in range(1000))
             if "n1" not in owners[partition_of(cid.encode(), len(owners))]
         )
-        topic = unique("bystander/cmd")
-        expiry = {"SessionExpiryInterval": 300}
-        c = Client(endpoint(n2), client_id=dev, version=5, clean=False, props=expiry)
-        c.connect()
-        c.subscribe(topic, qos=1)
-        c.disconnect()
+        root = unique("bystander")
+        topic = f"{root}/0"
+        offline_subscribers(n2, root, [dev])
         wait_rows(n3, "n2", 1)
         publisher = Client(endpoint(n3), client_id=unique("bpub"), version=5)
         publisher.connect()
@@ -1304,6 +1301,7 @@ def test_a_claim_goes_through_the_partition_owner_and_does_not_wait_for_a_frozen
         assert n1.proc is not None
         os.kill(n1.proc.pid, signal.SIGSTOP)
         try:
+            expiry = {"SessionExpiryInterval": 300}
             sub = Client(endpoint(n3), client_id=dev, version=5, clean=False, props=expiry)
             started = time.monotonic()
             assert sub.connect(timeout=10.0).session_present

@@ -1180,10 +1180,20 @@ fn racing_connects_with_one_client_id_leave_one_session() {
         .map(|i| n.h[i].open_connect(persistent_v5("dup")))
         .collect();
     n.settle();
+    let alive = alive_after_race(&mut n, &conns, "");
+    assert_eq!(alive.len(), 1, "{alive:?}");
+    let sessions: usize = n.h.iter().map(|h| h.e.session_count()).sum();
+    assert_eq!(sessions, 1);
+    assert_eq!(n.h[alive[0]].e.session_count(), 1);
+}
+
+/// The nodes whose connection `conns[i]` (on node i) got its CONNACK and is still open
+/// (not taken over with 0x8E).
+fn alive_after_race(n: &mut Nodes, conns: &[crate::broker::ConnId], what: &str) -> Vec<usize> {
     let mut alive = Vec::new();
     for (i, &c) in conns.iter().enumerate() {
         let got = n.h[i].recv_one(c);
-        assert_eq!(connack(&got).reason_code, 0, "{got:?}");
+        assert_eq!(connack(&got).reason_code, 0, "{what} {got:?}");
         let taken_over = got
             .iter()
             .any(|p| matches!(p, Packet::Disconnect(d) if d.reason_code == 0x8E));
@@ -1191,10 +1201,7 @@ fn racing_connects_with_one_client_id_leave_one_session() {
             alive.push(i);
         }
     }
-    assert_eq!(alive.len(), 1, "{alive:?}");
-    let sessions: usize = n.h.iter().map(|h| h.e.session_count()).sum();
-    assert_eq!(sessions, 1);
-    assert_eq!(n.h[alive[0]].e.session_count(), 1);
+    alive
 }
 
 /// Delivers the frames node `i` has to send now (and nothing else).
@@ -3352,17 +3359,7 @@ fn racing_connects_through_the_primary_leave_one_session_whatever_the_order() {
             })
             .collect();
         settle_shuffled(&mut n, &mut disks, seed);
-        let mut alive = Vec::new();
-        for (i, &c) in conns.iter().enumerate() {
-            let got = n.h[i].recv_one(c);
-            assert_eq!(connack(&got).reason_code, 0, "seed {seed}: {got:?}");
-            let taken_over = got
-                .iter()
-                .any(|p| matches!(p, Packet::Disconnect(d) if d.reason_code == 0x8E));
-            if !taken_over && !n.h[i].closed.contains(&c) {
-                alive.push(i);
-            }
-        }
+        let alive = alive_after_race(&mut n, &conns, &format!("seed {seed}"));
         assert_eq!(alive.len(), 1, "seed {seed}: {alive:?}");
         let sessions: Vec<usize> = n.h.iter().map(|h| h.e.session_count()).collect();
         assert_eq!(
