@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ class Setup:
     name: str
     procs: list[subprocess.Popen]
     addrs: list[str]  # MQTT "host:port" of each broker (node)
+    admins: list[int] = field(default_factory=list)  # admin ports of cluster nodes
 
     def cpu_seconds(self) -> float:
         total = 0.0
@@ -145,7 +146,7 @@ def start_cluster(
         procs.append(bench.launch("fastbroker", mqtt, workdir, cmd).proc)
         addrs.append(f"{HOST}:{mqtt}")
         admins.append(admin)
-    setup = Setup(f"{nodes}-node cluster" + (" (TLS links)" if tls else ""), procs, addrs)
+    setup = Setup(f"{nodes}-node cluster" + (" (TLS links)" if tls else ""), procs, addrs, admins)
     try:
         for (mqtt, _, _), proc in zip(ports, procs, strict=True):
             wait_port(mqtt, proc, "a cluster node")
