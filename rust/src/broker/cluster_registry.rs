@@ -14,9 +14,11 @@
 //!   follower after; this node itself if it is that owner). The owner stamps the claim with
 //!   its clock, after every claim it stamped before, notes the claimant as where the client
 //!   goes, and answers (`ClaimRouted`) with the nodes to claim from: those that hold the
-//!   client's session, claimants it noted before, and every node whose sessions it does not
-//!   all know (a link down, a list not complete yet, a peer older than protocol 10). The
-//!   claimant claims from those and from the partition's owners (for their copies), and
+//!   client's session or a copy, claimants it noted before, and every node whose sessions
+//!   it does not all know (a link down, a list not complete yet, a peer older than protocol
+//!   10). The claimant claims from those and from the partition's owners (their copies may
+//!   differ), or from nobody if none is named (a client id nobody holds: the CONNECT goes
+//!   on after one round trip, or at once on the owner itself), and
 //!   races go as in `cluster_sessions`: a later claim reaches the earlier claimant, which
 //!   hands over once its own claim is done. A node that holds nothing of the client is not
 //!   asked, so a silent one does not delay the CONNECT.
@@ -243,7 +245,9 @@ impl Engine {
         let owner = map != 0 && self.replicas.is_owner(client);
         let mut ask = Vec::new();
         if claimant != THIS_NODE
-            && (self.by_client.contains_key(client) || self.claims_pending(client))
+            && (self.by_client.contains_key(client)
+                || self.claims_pending(client)
+                || self.holds_copy(client))
         {
             ask.push(self.cluster.retained.node);
         }

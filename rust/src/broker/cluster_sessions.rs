@@ -306,8 +306,13 @@ impl Engine {
         };
         let mut peers = self.cluster.claim_peers();
         if let Some(ask) = ask {
+            // Nobody named: no node holds a session, a copy or a claim of the client (the
+            // owner knows every node's), so there is nobody to ask, the other owners
+            // included: they learn of the session when it is installed here (`Home`).
             let owners = self.replicas.other_owners(client_id);
-            peers.retain(|&p| owners.contains(&p) || ask.contains(&self.cluster.peer_key(p)));
+            peers.retain(|&p| {
+                !ask.is_empty() && (owners.contains(&p) || ask.contains(&self.cluster.peer_key(p)))
+            });
             self.registry.stats.directed += 1;
         } else {
             self.registry.stats.broadcast += 1;

@@ -3350,7 +3350,10 @@ fn racing_connects_through_the_primary_leave_one_session_whatever_the_order() {
     for seed in 1..400u64 {
         let (mut n, mut disks) = copying_nodes(4, &[0, 1], 0);
         protocol(&mut n, if seed % 2 == 0 { LATEST } else { 9 });
-        offline_session(&mut n, 3, persistent_v5("dup"), QoS::AtLeastOnce);
+        // A third of the time the client id is new: nobody holds it when the race starts.
+        if seed % 3 != 0 {
+            offline_session(&mut n, 3, persistent_v5("dup"), QoS::AtLeastOnce);
+        }
         settle_and_sync(&mut n, &mut disks);
         let conns: Vec<_> = (0..3)
             .map(|i| {
@@ -3381,7 +3384,9 @@ fn an_owner_that_does_not_know_every_nodes_sessions_names_those_nodes() {
     offline_session(&mut n, 2, persistent_v5("dev"), QoS::AtLeastOnce);
     settle_and_sync(&mut n, &mut disks);
     let node2 = super::cluster_retained::node_key("node2");
-    assert_eq!(n.h[0].e.claim_ask("dev", n.peer[0][1]), [node2]);
+    let node0 = super::cluster_retained::node_key("node0");
+    // Node 0 names itself too: it holds a copy.
+    assert_eq!(n.h[0].e.claim_ask("dev", n.peer[0][1]), [node0, node2]);
     // Node 0 restarts with an empty disk: without a map it names every node; the lists
     // came with the links.
     n.restart_empty(0);
@@ -3392,4 +3397,38 @@ fn an_owner_that_does_not_know_every_nodes_sessions_names_those_nodes() {
     // A link that drops makes that node's list not whole until it comes again.
     n.cut_link(0, 3);
     assert_eq!(n.h[0].e.claim_ask("dev", n.peer[0][1]).len(), 2);
+}
+
+#[test]
+fn a_client_id_nobody_holds_is_claimed_from_nobody() {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
+    // On node 2: node 0 (the primary) stamps the claim and names nobody: the CONNECT goes
+    // on after that one round trip. On node 0 itself: at once, with no message at all.
+    let on2 = connect_on(&mut n, 2, persistent_v5("dev"));
+    let on0 = connect_on(
+        &mut n,
+        0,
+        super::tests::connect("lamp", Protocol::V311, true),
+    );
+    assert_eq!(n.h[0].e.registry_stats().0.routed, 1);
+    assert_eq!(n.h[2].e.registry_stats().0.asked, 0);
+    assert_eq!(n.h[0].e.registry_stats().0.asked, 0);
+    settle_and_sync(&mut n, &mut disks);
+    // The owners know where they are now: each is taken over by a connect elsewhere.
+    let dev = n.h[1].open_connect(persistent_v5("dev"));
+    let lamp = n.h[1].open_connect(super::tests::connect("lamp", Protocol::V311, true));
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[1].recv();
+    assert!(connack(&got[&dev]).session_present);
+    assert_eq!(connack(&got[&lamp]).reason_code, 0);
+    let got = n.h[2].recv_one(on2);
+    assert!(
+        matches!(got.last(), Some(Packet::Disconnect(d)) if d.reason_code == 0x8E),
+        "{got:?}"
+    );
+    // MQTT 3.1.1 has no DISCONNECT from the server: the connection closes.
+    n.h[0].recv_one(on0);
+    assert!(n.h[0].closed.contains(&on0));
+    let sessions: Vec<usize> = n.h.iter().map(|h| h.e.session_count()).collect();
+    assert_eq!(sessions, [0, 2, 0]);
 }
