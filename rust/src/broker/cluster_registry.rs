@@ -133,13 +133,16 @@ impl Engine {
             }
         }
         for (peer, list) in lists {
-            let parts = list.len().div_ceil(HOMES_PART).max(1);
-            for i in 0..parts {
-                let part =
-                    &list[(i * HOMES_PART).min(list.len())..((i + 1) * HOMES_PART).min(list.len())];
+            // An empty list still goes: its one part says the list is whole.
+            let mut parts: Vec<&[Arc<str>]> = list.chunks(HOMES_PART).collect();
+            if parts.is_empty() {
+                parts.push(&[]);
+            }
+            let last = parts.len() - 1;
+            for (i, part) in parts.into_iter().enumerate() {
                 let clients = part.iter().map(|c| &**c);
                 self.cluster
-                    .queue_homes(peer, map, i == 0, i + 1 == parts, clients);
+                    .queue_homes(peer, map, i == 0, i == last, clients);
             }
         }
     }
