@@ -1333,12 +1333,14 @@ def test_what_nodes_kept_for_a_dead_home_reaches_its_sessions_without_it_coming_
     """n1 homes six offline persistent QoS 1 sessions (each on its own topic); n2 publishes
     20 messages to each, then n1 freezes (SIGSTOP: no connection reset) and n2 publishes 30
     more to each: written to n1's link until n2 counts n1 down (the failure timeout), kept
-    for it and then acknowledged; n1 is SIGKILLed. Three clients resume on n3 at once (claims
-    answered from the copies); the other three on n2 once n1 was removed from the cluster
-    and the owners took its sessions over. n1 never comes back: every acknowledged message
-    arrives, once and in order: n2 sent what it kept for n1 to where the sessions live, the
-    batches written to n1's link too, past how far the copies say n1 applied them."""
-    with Cluster(tmp_path) as cluster:
+    for it and then acknowledged (8 KiB of random bytes each: n2 keeps at most 1 MiB of
+    n1's queue in memory, the rest only in its store); n1 is SIGKILLed. Three clients
+    resume on n3 at once (claims answered from the copies); the other three on n2 once n1
+    was removed from the cluster and the owners took its sessions over. n1 never comes
+    back: every acknowledged message arrives, once and in order: n2 sent what it kept for
+    n1 to where the sessions live (the batches only in its store read back), the batches
+    written to n1's link too, past how far the copies say n1 applied them."""
+    with Cluster(tmp_path, {"outbox_memory_mb": 1}) as cluster:
         n1, n2, n3 = start_cluster(cluster, 3)
         root = unique("keptfor")
         expiry = {"SessionExpiryInterval": 300}
@@ -1348,9 +1350,14 @@ def test_what_nodes_kept_for_a_dead_home_reaches_its_sessions_without_it_coming_
         publisher = Client(endpoint(n2), client_id=unique("kfpub"), version=5)
         publisher.connect()
 
+        def payload(i: int, k: int) -> bytes:
+            # Random bytes, other for each session: kept batches are compressed.
+            pad = b" " + random.Random(k * 8 + i).randbytes(8192) if k >= 20 else b""
+            return f"{k}".encode() + pad
+
         def publish(first: int, count: int) -> None:
             infos = [
-                publisher.publish(f"{root}/{i}", f"{k}".encode(), qos=1, wait=False)
+                publisher.publish(f"{root}/{i}", payload(i, k), qos=1, wait=False)
                 for k in range(first, first + count)
                 for i in range(len(ids))
             ]
@@ -1363,14 +1370,14 @@ def test_what_nodes_kept_for_a_dead_home_reaches_its_sessions_without_it_coming_
         assert not plane(n2, "n1")["up"]
         assert plane(n2, "n1")["unacked_bytes"] > 0
         n1.kill()
-        want = [f"{k}".encode() for k in range(50)]
 
         def resume(node: Node, i: int) -> None:
             sub = Client(endpoint(node), client_id=ids[i], version=5, clean=False, props=expiry)
             assert sub.connect().session_present, ids[i]
             got = [m.payload for m in sub.expect(50, 15.0)]
             got += [m.payload for m in sub.drain(0.3)]
-            assert got == want, (ids[i], node.node_id, got)
+            want = [payload(i, k) for k in range(50)]
+            assert got == want, (ids[i], node.node_id, [m.split(b" ")[0] for m in got])
             sub.disconnect()
 
         for i in range(3):
@@ -1388,6 +1395,7 @@ def test_what_nodes_kept_for_a_dead_home_reaches_its_sessions_without_it_coming_
         for i in range(3, 6):
             resume(n2, i)
         assert metric(n2, "cluster_kept_messages_handed_total") >= 1
+        assert metric(n2, "cluster_kept_batches_read_back_total") >= 1
         publisher.disconnect()
 
 

@@ -489,6 +489,7 @@ impl PyEngine {
         d.set_item("sessions_in", s.sessions_in)?;
         d.set_item("sessions_out", s.sessions_out)?;
         d.set_item("kept_handed", s.kept_handed)?;
+        d.set_item("kept_read_back", s.kept_read_back)?;
         let (r, known) = self.inner.registry_stats();
         d.set_item("routed", r.routed)?;
         d.set_item("directed", r.directed)?;

@@ -436,6 +436,12 @@ class BrokerCollector:
             "Messages kept here for a dead node sent to where its sessions live now",
             claims["kept_handed"],
         )
+        yield counter(
+            "cluster_kept_batches_read_back",
+            "Batches kept here for a dead node only in the store (past outbox_memory_mb), read "
+            "back to look through for its sessions",
+            claims["kept_read_back"],
+        )
         wills = dataplane.engine.will_stats()
         yield gauge(
             "cluster_will_copies",

@@ -55,7 +55,7 @@ const HOLD_ABOVE: usize = 16 << 20;
 /// ...and under which they are read again.
 const RESUME_BELOW: usize = 8 << 20;
 /// Bytes of a down peer's spilled batches read back from the store at a time.
-const LOAD_BUDGET: usize = 8 << 20;
+pub(super) const LOAD_BUDGET: usize = 8 << 20;
 /// A batch is closed once its items reach this size, so frames stay small enough to
 /// interleave with the control plane's and to decode in one go.
 const SEAL_ABOVE: usize = 1 << 20;
@@ -109,6 +109,16 @@ struct Outgoing {
     /// The version of our route rows the peer holds once it applied this batch (0: none
     /// known, e.g. sealed while its link was down).
     rows: u64,
+}
+
+/// A batch of a down peer's queue: its record in the store (if kept there), and what
+/// `each_kept_frame` tells of the batches in memory.
+pub(super) struct KeptBatch {
+    pub(super) key: Option<Vec<u8>>,
+    pub(super) len: usize,
+    pub(super) epoch: u64,
+    pub(super) seq: u64,
+    pub(super) sent: bool,
 }
 
 struct Peer {
@@ -496,28 +506,69 @@ impl Cluster {
             .map(|i| i as PeerId)
     }
 
-    /// Calls `f(incarnation, number, written to the link, frame)` with each batch frame
-    /// kept for peer `id` that is in memory, oldest first (what was queued for it is closed
-    /// first). Returns how many are only in the store.
+    /// The batches kept for peer `id` from the first that lives only in the store on, in
+    /// queue order (some of them may be in memory: the newest are spilled first, but a
+    /// batch not yet stored then stays).
+    pub(super) fn batches_from_store(&self, id: PeerId) -> Vec<KeptBatch> {
+        let Some(peer) = self.peer_ref(id) else {
+            return Vec::new();
+        };
+        let first = peer.out.iter().position(|o| o.spilled);
+        let from = first.unwrap_or(peer.out.len());
+        peer.out
+            .iter()
+            .skip(from)
+            .map(|o| KeptBatch {
+                key: o.stored.clone(),
+                len: o.len,
+                epoch: o.epoch,
+                seq: o.seq,
+                sent: o.sent,
+            })
+            .collect()
+    }
+
+    /// The frame of each of `batches` (of peer `id`'s queue) that is in memory now.
+    pub(super) fn kept_in_memory(&self, id: PeerId, batches: &[KeptBatch]) -> Vec<Option<&[u8]>> {
+        let mut frames = vec![None; batches.len()];
+        let Some(peer) = self.peer_ref(id) else {
+            return frames;
+        };
+        let index: HashMap<(u64, u64), usize> = batches
+            .iter()
+            .enumerate()
+            .map(|(i, b)| ((b.epoch, b.seq), i))
+            .collect();
+        for o in peer.out.iter().filter(|o| !o.spilled) {
+            if let Some(&i) = index.get(&(o.epoch, o.seq)) {
+                frames[i] = Some(&o.frame[..]);
+            }
+        }
+        frames
+    }
+
+    /// Something waits for the caller's next flush (e.g. records to read back).
+    pub(super) fn note_output(&mut self) {
+        self.has_output = true;
+    }
+
+    /// Calls `f(incarnation, number, written to the link, frame)` with each batch kept for
+    /// peer `id` before the first that lives only in the store, oldest first (what was
+    /// queued for it is closed first). Returns the batches from that one on.
     pub(super) fn each_kept_frame(
         &mut self,
         id: PeerId,
         mut f: impl FnMut(u64, u64, bool, &[u8]),
-    ) -> usize {
+    ) -> Vec<KeptBatch> {
         let epoch = self.epoch;
         let Some(peer) = self.peer_mut(id) else {
-            return 0;
+            return Vec::new();
         };
         peer.seal(epoch);
-        let mut spilled = 0;
-        for o in &peer.out {
-            if o.spilled {
-                spilled += 1;
-            } else {
-                f(o.epoch, o.seq, o.sent, &o.frame);
-            }
+        for o in peer.out.iter().take_while(|o| !o.spilled) {
+            f(o.epoch, o.seq, o.sent, &o.frame);
         }
-        spilled
+        self.batches_from_store(id)
     }
 
     /// An item that must not be lost, for peer `id` if it speaks protocol `min` or later.
@@ -1252,7 +1303,7 @@ impl Engine {
     /// Whether `drain_cluster` has frames to give, or session copies wait to be read back
     /// (the data plane reads them when it sends: `copy_loads`).
     pub fn has_cluster_output(&self) -> bool {
-        self.cluster.has_output || self.has_copy_loads()
+        self.cluster.has_output || self.has_copy_loads() || self.kept_scans.due()
     }
 
     /// Calls `f(peer, frame)` with every frame due to a peer whose link can take it, in
@@ -1307,13 +1358,21 @@ impl Engine {
     }
 
     /// Whether spilled batches of a peer whose link is up are to be read back.
+    /// Also: whether batches of a down peer kept only in the store are to be looked through
+    /// for sessions taken over from it (`cluster_kept_store`).
     pub fn has_cluster_loads(&self) -> bool {
-        self.cluster.peers.iter().flatten().any(|p| p.load_due)
+        self.cluster.peers.iter().flatten().any(|p| p.load_due) || self.kept_scans.due()
     }
 
     /// The store records to read back for each peer (about `LOAD_BUDGET` bytes each, in
     /// order); the caller hands them to `cluster_loaded`.
     pub fn cluster_loads(&mut self) -> Vec<(PeerId, Vec<Vec<u8>>)> {
+        let mut loads = self.queue_loads();
+        self.kept_loads(&mut loads);
+        loads
+    }
+
+    fn queue_loads(&mut self) -> Vec<(PeerId, Vec<Vec<u8>>)> {
         let mut loads = Vec::new();
         for (i, peer) in self.cluster.peers.iter_mut().enumerate() {
             let Some(peer) = peer.as_mut() else { continue };
@@ -1346,6 +1405,9 @@ impl Engine {
         id: PeerId,
         records: &[(&[u8], Option<&[u8]>)],
     ) -> Vec<String> {
+        if let Some(problems) = self.kept_loaded(id, records) {
+            return problems;
+        }
         let mut problems = Vec::new();
         let mut gone = Vec::new();
         let Some(peer) = self.cluster.peer_mut(id) else {

@@ -19,12 +19,13 @@
 //! the kept ids, the home and the marks with it (`KeptState`, protocol 8), and the next node
 //! asks every node again: some may have been out of this one's reach.
 //!
-//! Not yet: batches of a down peer past `cluster_outbox_memory` live only in the store and
-//! are not looked through (logged).
+//! Batches of a down peer past `cluster_outbox_memory` live only in the store: they are read
+//! back and looked through after those in memory (`cluster_kept_store`).
 
 use std::sync::Arc;
 
-use super::cluster::{message_from_wire, PeerId};
+use super::cluster::{message_from_wire, KeptBatch, PeerId};
+use super::cluster_kept_store::{Asker, Search};
 use super::state::{Message, SessionId};
 use super::Engine;
 use crate::cluster::batch::{self, Batch, Item, KeptSub, Mark, WireMessage};
@@ -37,7 +38,7 @@ const KEPT_PROTOCOL: u16 = 7;
 const KEPT_MAX: usize = 1 << 20;
 
 /// A message kept for a dead home, as the session asking gets it.
-type KeptDelivery = (Arc<Message>, QoS, bool, Vec<u32>);
+pub(super) type KeptDelivery = (Arc<Message>, QoS, bool, Vec<u32>);
 
 impl Engine {
     /// Session `sid` was just installed here from records its home (node key `home`) made:
@@ -68,7 +69,16 @@ impl Engine {
         }
         let own = super::cluster_retained::node_key(&self.cluster.name);
         let applied = applied_for(marks, own);
-        let kept = self.kept_matching(dead, &client, &subs, None, applied, now);
+        let (kept, spilled) = self.kept_matching(dead, &client, &subs, None, applied, now);
+        self.deliver_kept(sid, kept, now);
+        if !spilled.is_empty() {
+            let search = Search::new(Asker::Here(home), client, owned, None, applied);
+            self.search_store(dead, search, spilled);
+        }
+    }
+
+    /// Messages kept for a dead home, to its session `sid` here: each id once.
+    pub(super) fn deliver_kept(&mut self, sid: SessionId, kept: Vec<KeptDelivery>, now: u64) {
         for (msg, qos, retain, sub_ids) in kept {
             let id = msg.id;
             self.deliver(sid, &msg, qos, retain, sub_ids, now);
@@ -143,7 +153,39 @@ impl Engine {
             return;
         }
         let skip = again.then(|| self.cluster.peer_key(peer));
-        let kept = self.kept_matching(dead, client_id, subs, skip, applied, now);
+        let (kept, spilled) = self.kept_matching(dead, client_id, subs, skip, applied, now);
+        self.hand_kept(peer, client_id, kept, now);
+        if !spilled.is_empty() {
+            let owned = subs
+                .iter()
+                .map(|s| {
+                    (
+                        s.filter.to_string(),
+                        s.qos,
+                        s.retain_as_published,
+                        s.identifier,
+                    )
+                })
+                .collect();
+            let search = Search::new(
+                Asker::Peer(peer),
+                Arc::from(client_id),
+                owned,
+                skip,
+                applied,
+            );
+            self.search_store(dead, search, spilled);
+        }
+    }
+
+    /// Messages kept for a dead home, to peer `peer` for session `client_id` there.
+    pub(super) fn hand_kept(
+        &mut self,
+        peer: PeerId,
+        client_id: &str,
+        kept: Vec<KeptDelivery>,
+        now: u64,
+    ) {
         self.claims.stats.kept_handed += kept.len() as u64;
         for (msg, qos, retain, sub_ids) in kept {
             self.cluster
@@ -223,8 +265,10 @@ impl Engine {
     /// went down it may have applied: only one past `applied` (its incarnation and number,
     /// as the session's copy knows how far the home applied ours) goes, none without it
     /// (handing it on could deliver a QoS 2 message twice; what the home applied and the
-    /// client was told of, the copy holds).
-    fn kept_matching(
+    /// client was told of, the copy holds). Also returns the batches after those that live
+    /// only in the store (`cluster_kept_store` reads them back).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn kept_matching(
         &mut self,
         dead: PeerId,
         client_id: &str,
@@ -232,79 +276,105 @@ impl Engine {
         skip: Option<u64>,
         applied: Option<(u64, u64)>,
         now: u64,
-    ) -> Vec<KeptDelivery> {
+    ) -> (Vec<KeptDelivery>, Vec<KeptBatch>) {
         let mut out = Vec::new();
         let (mut unreadable, mut sent) = (0, 0);
         let spilled = self
             .cluster
             .each_kept_frame(dead, |epoch, seq, written, frame| {
-                let past = |(e, s): (u64, u64)| seq != 0 && epoch == e && seq > s;
-                if written && !applied.is_some_and(past) {
+                if !handed_on(epoch, seq, written, applied) {
                     sent += 1;
-                    return;
-                }
-                let value = batch::frame_value(frame);
-                let decoded = value.as_deref().map(Batch::decode);
-                let Some(Ok(b)) = decoded else {
+                } else if !kept_in_frame(frame, client_id, subs, skip, now, &mut out) {
                     unreadable += 1;
-                    return;
-                };
-                let Ok(items) = b.items() else {
-                    unreadable += 1;
-                    return;
-                };
-                for item in items {
-                    let (m, qos, retain, sub_ids) = match item {
-                        Item::Message(m)
-                            if m.plain && !skip.is_some_and(|k| m.also.contains(&k)) =>
-                        {
-                            match delivery_for(&m, subs) {
-                                Some((qos, retain, ids)) => (m, qos, retain, ids),
-                                None => continue,
-                            }
-                        }
-                        Item::Message(_) => continue,
-                        Item::SessionMessage {
-                            client_id: c,
-                            qos,
-                            retain,
-                            sub_ids,
-                            message,
-                            ..
-                        } if c == client_id => match QoS::from_u8(qos) {
-                            Some(qos) => (message, qos, retain, sub_ids),
-                            None => continue,
-                        },
-                        _ => continue,
-                    };
-                    if let Ok(msg) = message_from_wire(&m, now) {
-                        out.push((Arc::new(msg), qos, retain, sub_ids));
-                    }
                 }
             });
         // Items queued for it were closed into a batch: kept in the store like the others.
         self.store_outgoing(dead);
-        if sent + spilled + unreadable > 0 {
-            let name = self
-                .cluster
-                .peer_name(dead)
-                .unwrap_or_else(|| Arc::from("?"));
-            self.event(
-                "kept_not_searched",
-                Arc::from(client_id),
-                format!(
-                    "batches kept for {name} not looked through: {sent} written to its link \
-                     before it went down, {spilled} only in the store, {unreadable} unreadable"
-                ),
-            );
+        if sent + unreadable > 0 {
+            self.kept_not_searched(dead, client_id, sent, unreadable);
         }
-        out
+        (out, spilled)
+    }
+
+    pub(super) fn kept_not_searched(
+        &mut self,
+        dead: PeerId,
+        client_id: &str,
+        sent: usize,
+        unreadable: usize,
+    ) {
+        let name = self
+            .cluster
+            .peer_name(dead)
+            .unwrap_or_else(|| Arc::from("?"));
+        self.event(
+            "kept_not_searched",
+            Arc::from(client_id),
+            format!(
+                "batches kept for {name} not looked through: {sent} written to its link \
+                 before it went down, {unreadable} unreadable"
+            ),
+        );
     }
 }
 
-type OwnedSub = (String, u8, bool, u32);
+/// Whether a batch kept for a dead node (its incarnation and number, and whether it was
+/// written to the node's link) is handed on, given how far the node applied ours.
+pub(super) fn handed_on(epoch: u64, seq: u64, written: bool, applied: Option<(u64, u64)>) -> bool {
+    let past = |(e, s): (u64, u64)| seq != 0 && epoch == e && seq > s;
+    !written || applied.is_some_and(past)
+}
 
-fn kept_subs(owned: &[OwnedSub]) -> Vec<KeptSub<'_>> {
+/// Adds to `out` the messages of batch `frame` that session `client_id` with `subs` gets
+/// (not those that also went to the node with key `skip`). False if it cannot be read.
+pub(super) fn kept_in_frame(
+    frame: &[u8],
+    client_id: &str,
+    subs: &[KeptSub<'_>],
+    skip: Option<u64>,
+    now: u64,
+    out: &mut Vec<KeptDelivery>,
+) -> bool {
+    let value = batch::frame_value(frame);
+    let decoded = value.as_deref().map(Batch::decode);
+    let Some(Ok(b)) = decoded else {
+        return false;
+    };
+    let Ok(items) = b.items() else {
+        return false;
+    };
+    for item in items {
+        let (m, qos, retain, sub_ids) = match item {
+            Item::Message(m) if m.plain && !skip.is_some_and(|k| m.also.contains(&k)) => {
+                match delivery_for(&m, subs) {
+                    Some((qos, retain, ids)) => (m, qos, retain, ids),
+                    None => continue,
+                }
+            }
+            Item::Message(_) => continue,
+            Item::SessionMessage {
+                client_id: c,
+                qos,
+                retain,
+                sub_ids,
+                message,
+                ..
+            } if c == client_id => match QoS::from_u8(qos) {
+                Some(qos) => (message, qos, retain, sub_ids),
+                None => continue,
+            },
+            _ => continue,
+        };
+        if let Ok(msg) = message_from_wire(&m, now) {
+            out.push((Arc::new(msg), qos, retain, sub_ids));
+        }
+    }
+    true
+}
+
+pub(super) type OwnedSub = (String, u8, bool, u32);
+
+pub(super) fn kept_subs(owned: &[OwnedSub]) -> Vec<KeptSub<'_>> {
     owned
         .iter()
         .map(|(filter, qos, rap, identifier)| KeptSub {

@@ -161,6 +161,9 @@ pub struct ClaimStats {
     /// Messages kept here for a dead home sent to where its sessions live now
     /// (`cluster_kept`).
     pub kept_handed: u64,
+    /// Batches kept here for a dead home only in the store, read back to look through for
+    /// its sessions (`cluster_kept_store`).
+    pub kept_read_back: u64,
 }
 
 impl Claims {

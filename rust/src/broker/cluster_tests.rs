@@ -2370,6 +2370,170 @@ fn what_a_node_kept_for_a_dead_home_reaches_the_session_where_it_resumes() {
     assert_eq!(payloads(&n.h[1].recv_one(back)), Vec::<String>::new());
 }
 
+/// `dev_with_publisher_on_node2` where node 0 dies and node 2, which keeps at most 1 KiB of
+/// its queue for node 0 in memory, publishes `KEPT_IN_STORE` messages for "dev" meanwhile:
+/// the first 40 in one batch (only in node 2's store), the others each in its own (the first
+/// few of them in memory, behind that one; the rest only in the store). Their payloads,
+/// with "m0" (published before) first.
+fn dev_kept_in_store_for_dead_node0() -> (Nodes, Vec<Disk>, Vec<String>) {
+    let (mut n, mut disks, publisher) = dev_with_publisher_on_node2(LATEST, 0);
+    n.h[2].e.cfg.cluster_outbox_memory = 1024;
+    n.h[2].publish(publisher, "cmd/dev", "m0", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    let mut want = vec!["m0".to_string()];
+    for i in 0..KEPT_IN_STORE {
+        let m = kept_payload(i);
+        n.h[2].publish(publisher, "cmd/dev", &m, QoS::AtLeastOnce, false);
+        if i >= 39 {
+            settle_and_sync(&mut n, &mut disks);
+        }
+        want.push(m);
+    }
+    // Not for "dev".
+    n.h[2].publish(publisher, "other/x", "x", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[2].recv_one(publisher).len(), KEPT_IN_STORE + 2);
+    assert!(n.stats(2, 0).spilled_bytes > 5_000);
+    // Some batches behind the first stored one are in memory.
+    let node0 = n.peer[2][0];
+    let batches = n.h[2].e.cluster.batches_from_store(node0);
+    let in_memory = n.h[2].e.cluster.kept_in_memory(node0, &batches);
+    assert!(in_memory.iter().any(Option::is_some));
+    (n, disks, want)
+}
+
+/// The `i`-th message kept: 64 bytes that do not compress.
+fn kept_payload(i: usize) -> String {
+    let mut x = i as u64 + 1;
+    let noise: String = (0..8)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            format!("{:08x}", x >> 32)
+        })
+        .collect();
+    format!("k{i:03} {noise}")
+}
+
+const KEPT_IN_STORE: usize = 120;
+
+/// Serves node 2's reads until none is asked for; what `conn` on node `i` got meanwhile.
+fn serve_node2_loads(
+    n: &mut Nodes,
+    disks: &mut [Disk],
+    i: usize,
+    conn: crate::broker::ConnId,
+) -> Vec<String> {
+    let mut got = Vec::new();
+    for _ in 0..100 {
+        settle_and_sync(n, disks);
+        got.extend(payloads(&n.h[i].recv_one(conn)));
+        if serve_loads(&mut n.h[2], &disks[2]) == 0 && !n.h[2].e.has_cluster_loads() {
+            break;
+        }
+    }
+    settle_and_sync(n, disks);
+    got.extend(payloads(&n.h[i].recv_one(conn)));
+    got
+}
+
+#[test]
+fn what_a_node_kept_for_a_dead_home_only_in_its_store_reaches_the_session_in_order() {
+    for resume_on in [1, 2] {
+        let (mut n, mut disks, want) = dev_kept_in_store_for_dead_node0();
+        // Resumed on node 1, node 2 is asked; on node 2, it looks through its own queue.
+        let back = resume_from_copy_on_node1(&mut n, &mut disks, resume_on);
+        let first = n.h[resume_on].recv_one(back);
+        assert!(connack(&first).session_present, "{first:?}");
+        let mut got = payloads(&first[1..]);
+        // What was in memory came at once; the rest as node 2 reads it back.
+        assert!(
+            got.len() < want.len(),
+            "node {resume_on}: {} at once",
+            got.len()
+        );
+        got.extend(serve_node2_loads(&mut n, &mut disks, resume_on, back));
+        assert_eq!(got, want, "node {resume_on}");
+        assert!(n.h[2].e.claim_stats().kept_read_back > 0);
+        let handed = if resume_on == 1 {
+            KEPT_IN_STORE as u64
+        } else {
+            0
+        };
+        assert_eq!(n.h[2].e.claim_stats().kept_handed, handed);
+    }
+}
+
+#[test]
+fn sessions_resuming_together_share_one_read_of_what_is_kept_in_the_store() {
+    // Together: one pass through node 2's stored batches serves both. One after the other
+    // began to be read: the second waits for the next pass.
+    for together in [true, false] {
+        let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
+        for c in ["dev", "dev2"] {
+            offline_session(&mut n, 0, persistent_v5(c), QoS::AtLeastOnce);
+        }
+        let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+        n.h[2].e.cfg.cluster_outbox_memory = 1024;
+        settle_and_sync(&mut n, &mut disks);
+        n.cut_link(0, 1);
+        n.cut_link(0, 2);
+        let want: Vec<String> = (0..KEPT_IN_STORE).map(kept_payload).collect();
+        for m in &want {
+            n.h[2].publish(publisher, "cmd/dev", m, QoS::AtLeastOnce, false);
+            settle_and_sync(&mut n, &mut disks);
+        }
+        let spilled = n.h[2].e.cluster.batches_from_store(n.peer[2][0]).len() as u64;
+        assert!(spilled > 50, "{spilled}");
+        let a = n.h[1].open_connect(persistent_v5("dev"));
+        let mut b = None;
+        if together {
+            b = Some(n.h[1].open_connect(persistent_v5("dev2")));
+        }
+        settle_and_sync(&mut n, &mut disks);
+        serve_copy_loads(&mut n.h[1], &disks[1]);
+        settle_and_sync(&mut n, &mut disks);
+        let mut got_a = Vec::new();
+        let mut got_b = Vec::new();
+        if !together {
+            // Node 2 asks for its stored batches for "dev"; "dev2" comes before they are read.
+            let loads = n.h[2].e.cluster_loads();
+            assert_eq!(loads.len(), 1);
+            b = Some(n.h[1].open_connect(persistent_v5("dev2")));
+            settle_and_sync(&mut n, &mut disks);
+            serve_copy_loads(&mut n.h[1], &disks[1]);
+            settle_and_sync(&mut n, &mut disks);
+            let (peer, keys) = &loads[0];
+            let recs: Vec<(&[u8], Option<&[u8]>)> = keys
+                .iter()
+                .map(|k| (k.as_slice(), disks[2].get(k).map(Vec::as_slice)))
+                .collect();
+            assert!(n.h[2].e.cluster_loaded(*peer, &recs).is_empty());
+        }
+        let b = b.unwrap();
+        for _ in 0..100 {
+            settle_and_sync(&mut n, &mut disks);
+            let mut out = n.h[1].recv();
+            got_a.extend(payloads(&out.remove(&a).unwrap_or_default()));
+            got_b.extend(payloads(&out.remove(&b).unwrap_or_default()));
+            if serve_loads(&mut n.h[2], &disks[2]) == 0 && !n.h[2].e.has_cluster_loads() {
+                break;
+            }
+        }
+        assert_eq!(got_a, want, "together {together}");
+        assert_eq!(got_b, want, "together {together}");
+        let passes = if together { 1 } else { 2 };
+        assert_eq!(
+            n.h[2].e.claim_stats().kept_read_back,
+            passes * spilled,
+            "together {together}"
+        );
+    }
+}
+
 #[test]
 fn what_the_resuming_node_kept_itself_for_the_dead_home_reaches_the_session() {
     let (mut n, mut disks, _) = dev_kept_for_dead_node0(0);

@@ -11,6 +11,7 @@ mod auth;
 mod cluster;
 mod cluster_gates;
 mod cluster_kept;
+mod cluster_kept_store;
 mod cluster_registry;
 mod cluster_replicas;
 mod cluster_retained;
@@ -141,6 +142,7 @@ pub struct Engine {
     registry: cluster_registry::Registry,
     replicas: cluster_replicas::Replicas,
     wills: cluster_wills::Wills,
+    kept_scans: cluster_kept_store::KeptScans,
     gates: cluster_gates::Gates,
 }
 
@@ -182,6 +184,7 @@ impl Engine {
             registry: cluster_registry::Registry::default(),
             replicas: cluster_replicas::Replicas::default(),
             wills: cluster_wills::Wills::default(),
+            kept_scans: cluster_kept_store::KeptScans::default(),
             gates: cluster_gates::Gates::default(),
         }
     }
