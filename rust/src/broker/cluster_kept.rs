@@ -13,7 +13,9 @@
 //! node's batches (`Applied`, after the copies they made), a claim answer read from a copy
 //! carries those marks, and only a written batch past its mark is handed on (none without
 //! one; owners keep the marks in their store too). The answers are `SessionMessage`s
-//! marked kept. The session takes each id once, and remembers the kept ones until its old home has been back for
+//! marked kept. The session takes each id once, and remembers the ids of everything that
+//! reaches it (kept or straight: a publisher's node still sends to the dead home's queue
+//! too, while its rows are there) until its old home has been back for
 //! `RECENT_MS`: a home that comes back gets the same messages from its queues and sends
 //! them on to the session (`give_up`). A session that moves on from here meanwhile takes
 //! the kept ids, the home and the marks with it (`KeptState`, protocol 8), and the next node
@@ -35,7 +37,7 @@ use crate::topics;
 /// The first inter-node protocol that asks for and answers with kept messages.
 const KEPT_PROTOCOL: u16 = 7;
 /// Kept ids a session remembers at most (16 bytes each).
-const KEPT_MAX: usize = 1 << 20;
+pub(super) const KEPT_MAX: usize = 1 << 20;
 
 /// A message kept for a dead home, as the session asking gets it.
 pub(super) type KeptDelivery = (Arc<Message>, QoS, bool, Vec<u32>);

@@ -49,6 +49,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::cluster::PeerId;
+use super::cluster_kept::KEPT_MAX;
 use super::cluster_replicas::THIS_NODE;
 use super::connect::PendingConnect;
 use super::router::Scope;
@@ -694,8 +695,11 @@ impl Engine {
             if recent.kept_until != 0 && now >= recent.kept_until {
                 recent.kept_from = 0;
                 recent.kept = Default::default();
-            } else if recent.kept.contains(&id) {
+            } else if !recent.kept.insert(id) {
                 return true;
+            } else if recent.kept.len() > KEPT_MAX {
+                // Bounded: past this a repeat can get through.
+                recent.kept.remove(&id);
             }
         }
         if now >= recent.until {

@@ -2534,6 +2534,54 @@ fn sessions_resuming_together_share_one_read_of_what_is_kept_in_the_store() {
     }
 }
 
+/// The client of connection `conn` on node `i` acknowledges the QoS 1 messages `got`.
+fn puback_all(n: &mut Nodes, i: usize, conn: crate::broker::ConnId, got: &[Packet]) {
+    for p in publishes(got) {
+        let ack = crate::codec::Ack {
+            pkid: p.pkid,
+            reason_code: 0,
+            properties: None,
+        };
+        n.h[i].send(conn, Packet::PubAck(ack));
+    }
+}
+
+#[test]
+fn what_reached_a_session_straight_is_not_handed_to_it_again_as_kept_after_it_moves_on() {
+    // Found by the fault-injection run: QoS 2 messages delivered twice after a move.
+    let (mut n, mut disks, publisher) = dev_with_publisher_on_node2(LATEST, 0);
+    n.h[2].publish(publisher, "cmd/dev", "m0", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    n.h[2].publish(publisher, "cmd/dev", "k1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    // Node 0 is dead: the client resumes on node 1 from its copy, and gets k1 from node 2.
+    let back = resume_from_copy_on_node1(&mut n, &mut disks, 1);
+    let got = n.h[1].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), ["m0", "k1"]);
+    puback_all(&mut n, 1, back, &got);
+    // Node 2 publishes d1: straight to node 1, and kept for node 0 too (its rows are there
+    // until it is gone for good).
+    n.h[2].publish(publisher, "cmd/dev", "d1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[1].recv_one(back);
+    assert_eq!(payloads(&got), ["d1"]);
+    puback_all(&mut n, 1, back, &got);
+    settle_and_sync(&mut n, &mut disks);
+    // The client moves on to node 2: node 2's queue for node 0 holds k1 and d1, both of
+    // which the session got already.
+    let now = n.h[1].now;
+    n.h[1].e.closed(back, now);
+    settle_and_sync(&mut n, &mut disks);
+    let moved = n.h[2].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 2, moved, &[]);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[2].recv_one(moved)), Vec::<String>::new());
+}
+
 #[test]
 fn what_the_resuming_node_kept_itself_for_the_dead_home_reaches_the_session() {
     let (mut n, mut disks, _) = dev_kept_for_dead_node0(0);
