@@ -59,10 +59,17 @@ impl Engine {
         };
         let subs = kept_subs(&owned);
         if let Some(s) = self.session_mut(sid) {
+            // What its records hold, the dead home (back) would send on too.
+            let held = s.inflight.iter().map(|f| f.delivery.msg.id);
+            let held: Vec<u128> = held.chain(s.queue.iter().map(|d| d.msg.id)).collect();
             let recent = s.recent.get_or_insert_with(Default::default);
             recent.kept_from = home;
             recent.kept_until = 0;
             recent.kept_marks = marks.to_vec();
+            let room = KEPT_MAX.saturating_sub(recent.kept.len());
+            recent
+                .kept
+                .extend(held.into_iter().filter(|&id| id != 0).take(room));
         }
         for peer in self.cluster.up_peers_from(KEPT_PROTOCOL) {
             let applied = applied_for(marks, self.cluster.peer_key(peer));

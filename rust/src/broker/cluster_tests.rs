@@ -2583,6 +2583,36 @@ fn what_reached_a_session_straight_is_not_handed_to_it_again_as_kept_after_it_mo
 }
 
 #[test]
+fn what_a_session_resumed_from_a_copy_held_is_not_delivered_again_when_its_old_home_returns() {
+    // Found by the fault-injection run: a QoS 2 message delivered twice after a move.
+    let (mut n, mut disks, publisher) = dev_with_publisher_on_node2(LATEST, 0);
+    n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    // Node 0 is dead: the client resumes on node 1 from its copy (m1), acknowledges m1 and
+    // moves on to node 2.
+    let back = resume_from_copy_on_node1(&mut n, &mut disks, 1);
+    let got = n.h[1].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), ["m1"]);
+    puback_all(&mut n, 1, back, &got);
+    settle_and_sync(&mut n, &mut disks);
+    let now = n.h[1].now;
+    n.h[1].e.closed(back, now);
+    settle_and_sync(&mut n, &mut disks);
+    let moved = n.h[2].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 2, moved, &[]);
+    // Node 0 comes back a second later with m1 queued for its (stale) session: it gives
+    // way and sends m1 on, which the session got already.
+    node0_comes_back(&mut n, &disks[0], 1_000, 0, 561, LATEST);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[0].e.replica_stats().fenced, 1);
+    assert_eq!(payloads(&n.h[2].recv_one(moved)), Vec::<String>::new());
+}
+
+#[test]
 fn what_the_resuming_node_kept_itself_for_the_dead_home_reaches_the_session() {
     let (mut n, mut disks, _) = dev_kept_for_dead_node0(0);
     // The client resumes on node 2, the publisher's node: its own queue for node 0.
