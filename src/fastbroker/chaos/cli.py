@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from fastbroker.chaos.checker import check
+from fastbroker.chaos.checker import Result, check
 from fastbroker.chaos.history import HistoryError, read
 
 EXIT_ANOMALIES = 1
@@ -30,7 +30,43 @@ def check_command(history: Path, as_json: bool) -> None:
     except (HistoryError, OSError) as error:
         click.echo(f"fastbroker-chaos: {history}: {error}", err=True)
         raise SystemExit(EXIT_BAD_HISTORY) from None
-    result = check(ops)
+    report(check(ops), as_json)
+
+
+@main.command("run")
+@click.option("--nodes", type=click.IntRange(3, 9), default=3, show_default=True)
+@click.option("--seconds", type=click.FloatRange(5, 3600), default=40.0, show_default=True)
+@click.option("--seed", type=int, default=1, show_default=True, help="Replays a schedule.")
+@click.option(
+    "--rate",
+    type=click.FloatRange(1, 1000),
+    default=20.0,
+    show_default=True,
+    help="Publishes per second per publisher.",
+)
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Where the nodes' data, logs and history.jsonl go.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def run_command(
+    nodes: int, seconds: float, seed: int, rate: float, workdir: Path, as_json: bool
+) -> None:
+    """Runs a seeded schedule against a cluster of NODES real nodes on loopback (kills and
+    pauses, one at a time), records the history in WORKDIR/history.jsonl and checks it."""
+    from fastbroker.chaos.runner import Run, Schedule
+
+    run = Run(Schedule(nodes=nodes, seconds=seconds, seed=seed, rate=rate), workdir)
+    result = run.execute()
+    click.echo(f"faults injected: {run.faults}; history: {run.history}")
+    report(result, as_json)
+
+
+def report(result: Result, as_json: bool) -> None:
+    """Prints the result (the first instances of each anomaly, then the verdict line) and
+    exits 1 if it is not valid."""
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True))
     else:

@@ -1,0 +1,184 @@
+"""The cluster a fault-injection run breaks: real `fastbroker run` processes on loopback
+addresses (127.X.0.N), each with its own data directory, started, killed, paused and
+resumed by PID. Only processes started here are signalled."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+MQTT_PORT = 21883
+CLUSTER_PORT = 27883
+ADMIN_PORT = 28830
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))
+
+
+class NodeProcess:
+    """One node: its addresses, its process (None while it is not running)."""
+
+    def __init__(self, node_id: str, ip: str, workdir: Path, cluster: dict[str, Any]) -> None:
+        self.node_id = node_id
+        self.ip = ip
+        self.workdir = workdir
+        self.cluster = cluster
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.paused = False
+        workdir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def cluster_address(self) -> str:
+        return f"{self.ip}:{CLUSTER_PORT}"
+
+    def config_text(self) -> str:
+        lines = [
+            "[listener]",
+            f"host = {toml_value(self.ip)}",
+            f"port = {MQTT_PORT}",
+            "[storage]",
+            f"data_dir = {toml_value(str(self.workdir / 'data'))}",
+            "[log]",
+            'level = "info"',
+            "[admin]",
+            "enabled = true",
+            f"host = {toml_value(self.ip)}",
+            f"port = {ADMIN_PORT}",
+            "[cluster]",
+            f"node_id = {toml_value(self.node_id)}",
+            f"listen = {toml_value(self.cluster_address)}",
+        ]
+        lines += [f"{key} = {toml_value(value)}" for key, value in self.cluster.items()]
+        return "\n".join(lines) + "\n"
+
+    def start(self) -> None:
+        config = self.workdir / "node.toml"
+        config.write_text(self.config_text())
+        with open(self.workdir / "node.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "fastbroker", "run", "--config", str(config)],
+                cwd=self.workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                preexec_fn=die_with_parent,
+            )
+        self.paused = False
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.paused = False
+
+    def pause(self) -> None:
+        if self.running():
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.proc is not None and self.paused:
+            self.proc.send_signal(signal.SIGCONT)
+        self.paused = False
+
+    def stop(self) -> None:
+        """SIGTERM (a planned stop), SIGKILL after 15 s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.resume()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def status(self) -> dict[str, Any] | None:
+        """Its /cluster/status, or None if it does not answer within a second."""
+        request = urllib.request.Request(
+            f"http://{self.ip}:{ADMIN_PORT}/cluster/status",
+            headers={"X-Fastbroker-Admin": "1"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=1.0) as response:
+                return json.loads(response.read())
+        except (OSError, ValueError, urllib.error.URLError):
+            return None
+
+
+class Nodes:
+    """Nodes n1..nN on 127.`subnet`.0.1..N; n1 founds the cluster, the others join it."""
+
+    def __init__(self, count: int, workdir: Path, subnet: int, settings: dict[str, Any]) -> None:
+        secret = os.urandom(16).hex()
+        self.nodes: list[NodeProcess] = []
+        first = f"127.{subnet}.0.1:{CLUSTER_PORT}"
+        for i in range(1, count + 1):
+            cluster = {"secret": secret, **settings}
+            if i > 1:
+                cluster["join"] = [first]
+            ip = f"127.{subnet}.0.{i}"
+            self.nodes.append(NodeProcess(f"n{i}", ip, workdir / f"n{i}", cluster))
+
+    def start(self, timeout: float) -> None:
+        for node in self.nodes:
+            node.start()
+        self.wait_converged(timeout)
+
+    def converged(self) -> bool:
+        """Every node answers, with all nodes as members, the same map, and every data
+        link up."""
+        ids = sorted(n.node_id for n in self.nodes)
+        versions = set()
+        for node in self.nodes:
+            status = node.status()
+            if status is None or status.get("pending_change") or not status.get("leader"):
+                return False
+            if sorted(m["node_id"] for m in status["members"]) != ids:
+                return False
+            plane = status.get("data_plane", {})
+            if not all(plane.get(p, {}).get("up") for p in ids if p != node.node_id):
+                return False
+            versions.add(status["map_version"])
+        return len(versions) == 1
+
+    def wait_converged(self, timeout: float) -> float:
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if self.converged():
+                return time.monotonic() - started
+            time.sleep(0.2)
+        raise TimeoutError(f"the cluster did not converge within {timeout} s")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def die_with_parent() -> None:  # runs in the child between fork and exec
+    """Linux: the node gets SIGKILL if the run's process dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass

@@ -1,0 +1,384 @@
+"""A fault-injection run: a cluster of real nodes on loopback, persistent subscribers and
+publishers (paho-mqtt) that record everything they do and see, and a nemesis that kills and
+pauses nodes on a seeded schedule. The history goes to a file; the checker judges it.
+
+Clients connect straight to a random running node (the HAProxy front of issue 17 is not
+built yet) and move to another one when their connection drops. One fault at a time, each
+shorter than the failure timeout, so the cluster keeps its majority and no node is removed;
+splits, removals and membership changes are not in this schedule yet.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastbroker.chaos.checker import Result, check
+from fastbroker.chaos.history import Recorder, read
+from fastbroker.chaos.nodes import MQTT_PORT, NodeProcess, Nodes
+
+TOPIC = "chaos/t"
+SESSION_EXPIRY = 600
+KEEPALIVE = 2
+CONNECT_TIMEOUT = 3.0
+IN_FLIGHT = 10
+
+
+@dataclass(frozen=True)
+class Schedule:
+    nodes: int = 3
+    seconds: float = 40.0
+    seed: int = 1
+    publishers: int = 3
+    subscribers: int = 3
+    # Publishes per second per publisher (at most IN_FLIGHT unacknowledged).
+    rate: float = 20.0
+    faults: tuple[str, ...] = ("kill", "pause")
+    # A fault begins every `fault_every` s (0.5x to 1.5x, seeded) and lasts `fault_for` s.
+    fault_every: float = 6.0
+    fault_for: float = 1.5
+    # Each subscriber leaves its node for another every this many s (uniform, seeded).
+    move_every: tuple[float, float] = (2.0, 6.0)
+    failure_timeout_ms: int = 5000
+
+
+class Run:
+    """One run: `execute()` returns the checker's result; the history is in `history`."""
+
+    def __init__(self, schedule: Schedule, workdir: Path, subnet: int | None = None) -> None:
+        self.schedule = schedule
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.history = workdir / "history.jsonl"
+        subnet = subnet if subnet is not None else 220 + os.getpid() % 30
+        settings = {
+            "heartbeat_ms": 100,
+            "election_timeout_ms": 400,
+            "failure_timeout_ms": schedule.failure_timeout_ms,
+            "discovery_interval_ms": 300,
+        }
+        self.cluster = Nodes(schedule.nodes, workdir, subnet, settings)
+        self.prefix = f"chaos{schedule.seed}-{os.getpid()}"
+        self.lock = threading.Lock()
+        self.recorder: Recorder | None = None
+        self.publishing = threading.Event()
+        self.subscribing = threading.Event()
+        self.last_receive = time.monotonic()
+        self.faults = 0
+
+    def record(self, process: str, kind: str, f: str, **value: Any) -> None:
+        with self.lock:
+            assert self.recorder is not None
+            self.recorder.record(time.monotonic(), process, kind, f, **value)
+            if f == "receive":
+                self.last_receive = time.monotonic()
+
+    def live_node(self, rng: random.Random, leaving: NodeProcess | None) -> NodeProcess | None:
+        """A random running node, other than `leaving` if there is one."""
+        live = [n for n in self.cluster.nodes if n.running() and not n.paused]
+        others = [n for n in live if n is not leaving]
+        return rng.choice(others or live) if live else None
+
+    def execute(self) -> Result:
+        s = self.schedule
+        with open(self.history, "w", encoding="utf-8") as out:
+            self.recorder = Recorder(out, time.monotonic())
+            try:
+                self.cluster.start(60)
+                self.drive(s)
+            finally:
+                self.publishing.clear()
+                self.subscribing.clear()
+                self.cluster.stop()
+        return check(read(self.history))
+
+    def drive(self, s: Schedule) -> None:
+        subscribers = [Subscriber(self, f"s{i}", s.seed * 1000 + i) for i in range(s.subscribers)]
+        publishers = [
+            Publisher(self, f"p{i}", s.seed * 1000 + 500 + i, qos=1 + i % 2)
+            for i in range(s.publishers)
+        ]
+        self.subscribing.set()
+        for sub in subscribers:
+            sub.thread.start()
+        deadline = time.monotonic() + 30
+        while not all(sub.subscribed for sub in subscribers):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the subscribers did not subscribe within 30 s")
+            time.sleep(0.05)
+        self.publishing.set()
+        for pub in publishers:
+            pub.thread.start()
+        # In this thread: a node started from another thread would die with it (its parent
+        # death signal follows the thread that forked it).
+        self.nemesis(time.monotonic() + s.seconds)
+        self.record("nemesis", "info", "heal")
+        self.cluster.wait_converged(60)
+        self.publishing.clear()
+        for pub in publishers:
+            pub.thread.join()
+        # Every subscriber connected, and nothing new for 3 s (60 s at most).
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            quiet = time.monotonic() - self.last_receive > 3
+            if quiet and all(sub.connected for sub in subscribers):
+                break
+            time.sleep(0.1)
+        self.subscribing.clear()
+        for sub in subscribers:
+            sub.thread.join()
+
+    def nemesis(self, end: float) -> None:
+        """Faults, one at a time, until `end` (monotonic s)."""
+        s = self.schedule
+        rng = random.Random(s.seed)
+        while True:
+            wait = s.fault_every * (0.5 + rng.random())
+            if time.monotonic() + wait >= end:
+                time.sleep(max(0.0, end - time.monotonic()))
+                return
+            time.sleep(wait)
+            node = rng.choice(self.cluster.nodes)
+            fault = rng.choice(s.faults)
+            self.faults += 1
+            if fault == "kill":
+                self.record("nemesis", "info", "kill", node=node.node_id)
+                node.kill()
+                time.sleep(s.fault_for)
+                node.start()
+                self.record("nemesis", "info", "start", node=node.node_id)
+            else:
+                self.record("nemesis", "info", "pause", node=node.node_id)
+                node.pause()
+                time.sleep(s.fault_for)
+                node.resume()
+                self.record("nemesis", "info", "resume", node=node.node_id)
+            # The next fault only once the cluster is whole again.
+            try:
+                self.cluster.wait_converged(30)
+            except TimeoutError:
+                self.record("nemesis", "info", "not_converged", node=node.node_id)
+
+
+class Connection:
+    """A paho-mqtt client driven by its own thread (`loop()`), moved to another node when
+    its connection drops."""
+
+    def __init__(self, run: Run, name: str, seed: int, persistent: bool) -> None:
+        self.run = run
+        self.name = name
+        self.client_id = f"{run.prefix}-{name}"
+        self.rng = random.Random(seed)
+        self.persistent = persistent
+        self.connected = False
+        self.mqtt: Any = None
+        self.node: NodeProcess | None = None
+
+    def new_client(self) -> Any:
+        from paho.mqtt.client import CallbackAPIVersion, Client
+        from paho.mqtt.enums import MQTTProtocolVersion
+
+        client = Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=self.client_id,
+            protocol=MQTTProtocolVersion.MQTTv5,
+        )
+        client.on_connect = self.on_connect
+        client.on_disconnect = self.on_disconnect
+        return client
+
+    def connect(self) -> bool:
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        node = self.run.live_node(self.rng, self.node)
+        if node is None:
+            time.sleep(0.2)
+            return False
+        props = Properties(PacketTypes.CONNECT)
+        if self.persistent:
+            props.SessionExpiryInterval = SESSION_EXPIRY
+        value = {"client": self.client_id, "node": node.node_id, "clean": not self.persistent}
+        self.run.record(self.name, "invoke", "connect", **value, will=None)
+        self.node = node
+        try:
+            self.mqtt.connect(
+                node.ip,
+                MQTT_PORT,
+                keepalive=KEEPALIVE,
+                clean_start=not self.persistent,
+                properties=props,
+            )
+        except OSError as error:
+            self.run.record(self.name, "fail", "connect", **value, error=str(error))
+            time.sleep(0.2)
+            return False
+        deadline = time.monotonic() + CONNECT_TIMEOUT
+        while not self.connected and time.monotonic() < deadline:
+            if self.mqtt.loop(0.05) != 0:
+                break
+        if not self.connected:
+            self.run.record(self.name, "info", "connect", **value, error="no CONNACK")
+            self.mqtt.disconnect()
+            return False
+        return True
+
+    def on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+        assert self.node is not None
+        value = {"client": self.client_id, "node": self.node.node_id}
+        if reason.is_failure:
+            self.run.record(self.name, "fail", "connect", **value, reason=str(reason))
+            return
+        self.connected = True
+        present = bool(flags.session_present)
+        self.run.record(self.name, "ok", "connect", **value, session_present=present)
+
+    def on_disconnect(
+        self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any
+    ) -> None:
+        if self.connected:
+            self.run.record(
+                self.name, "info", "disconnected", client=self.client_id, reason=str(reason)
+            )
+        self.connected = False
+
+
+class Subscriber(Connection):
+    """A persistent MQTT 5 session subscribed to every publisher's topic at QoS 2 once; one
+    paho client for the whole run, so its half-done QoS 2 flows survive a move."""
+
+    def __init__(self, run: Run, name: str, seed: int) -> None:
+        super().__init__(run, name, seed, persistent=True)
+        self.subscribed = False
+        self.mqtt = self.new_client()
+        self.mqtt.on_message = self.on_message
+        self.mqtt.on_subscribe = self.on_subscribe
+        self.thread = threading.Thread(target=self.main, name=name, daemon=True)
+
+    def main(self) -> None:
+        move_at = self.next_move()
+        while self.run.subscribing.is_set():
+            if not self.connected:
+                if not self.connect():
+                    continue
+                if not self.subscribed:
+                    value = {"client": self.client_id, "filter": f"{TOPIC}/#", "qos": 2}
+                    self.run.record(self.name, "invoke", "subscribe", **value)
+                    self.mqtt.subscribe(f"{TOPIC}/#", qos=2)
+            if self.run.publishing.is_set() and time.monotonic() >= move_at:
+                self.move()
+                move_at = self.next_move()
+                continue
+            if self.mqtt.loop(0.05) != 0:
+                self.connected = False
+        if self.connected:
+            self.mqtt.disconnect()
+            self.mqtt.loop(0.1)
+
+    def next_move(self) -> float:
+        lo, hi = self.run.schedule.move_every
+        return time.monotonic() + self.rng.uniform(lo, hi)
+
+    def move(self) -> None:
+        """Leaves its node, to reconnect to another: half the time with a DISCONNECT, half
+        by dropping the socket (what is in flight is then resent)."""
+        abrupt = self.rng.random() < 0.5
+        self.run.record(self.name, "info", "move", client=self.client_id, abrupt=abrupt)
+        if abrupt:
+            sock = self.mqtt.socket()
+            if sock is not None:
+                # paho reads the end of the stream and closes the socket itself.
+                sock.shutdown(socket.SHUT_RDWR)
+            self.mqtt.loop(0.01)
+        else:
+            self.mqtt.disconnect()
+            self.mqtt.loop(0.05)
+        self.connected = False
+
+    def on_subscribe(self, client: Any, userdata: Any, mid: int, reasons: Any, props: Any) -> None:
+        value = {"client": self.client_id, "filter": f"{TOPIC}/#"}
+        if any(r.is_failure for r in reasons):
+            self.run.record(self.name, "fail", "subscribe", **value, qos=2)
+            return
+        self.run.record(self.name, "ok", "subscribe", **value, qos=int(reasons[0].value))
+        self.subscribed = True
+
+    def on_message(self, client: Any, userdata: Any, message: Any) -> None:
+        self.run.record(
+            self.name,
+            "info",
+            "receive",
+            client=self.client_id,
+            topic=message.topic,
+            qos=message.qos,
+            id=message.payload.decode(errors="replace"),
+            retain=bool(message.retain),
+            dup=bool(message.dup),
+        )
+
+
+class Publisher(Connection):
+    """Publishes numbered messages to its own topic at one QoS; a new clean session for each
+    connection, so an unacknowledged publish whose connection dropped is of unknown outcome
+    (recorded `info`) and never sent again."""
+
+    def __init__(self, run: Run, name: str, seed: int, qos: int) -> None:
+        super().__init__(run, name, seed, persistent=False)
+        self.qos = qos
+        self.topic = f"{TOPIC}/{name}"
+        self.pending: dict[int, dict[str, Any]] = {}
+        self.thread = threading.Thread(target=self.main, name=name, daemon=True)
+
+    def main(self) -> None:
+        interval = 1.0 / self.run.schedule.rate
+        seq = 0
+        next_at = time.monotonic()
+        while self.run.publishing.is_set():
+            if not self.connected:
+                self.forget_pending()
+                self.mqtt = self.new_client()
+                self.mqtt.on_publish = self.on_publish
+                if not self.connect():
+                    continue
+            if time.monotonic() >= next_at and len(self.pending) < IN_FLIGHT:
+                value = {
+                    "client": self.client_id,
+                    "topic": self.topic,
+                    "qos": self.qos,
+                    "retain": False,
+                    "id": f"{self.name}-{seq}",
+                }
+                seq += 1
+                next_at += interval
+                self.run.record(self.name, "invoke", "publish", **value)
+                info = self.mqtt.publish(self.topic, value["id"].encode(), qos=self.qos)
+                self.pending[info.mid] = value
+            if self.mqtt.loop(0.01) != 0:
+                self.connected = False
+        # What is in flight gets 10 s to be acknowledged.
+        deadline = time.monotonic() + 10
+        while self.pending and self.connected and time.monotonic() < deadline:
+            if self.mqtt.loop(0.05) != 0:
+                self.connected = False
+        self.forget_pending()
+        if self.connected:
+            self.mqtt.disconnect()
+            self.mqtt.loop(0.1)
+
+    def forget_pending(self) -> None:
+        for value in self.pending.values():
+            self.run.record(self.name, "info", "publish", **value)
+        self.pending.clear()
+
+    def on_publish(self, client: Any, userdata: Any, mid: int, reason: Any, props: Any) -> None:
+        value = self.pending.pop(mid, None)
+        if value is None:
+            return
+        kind = "fail" if reason.is_failure else "ok"
+        self.run.record(self.name, kind, "publish", **value)
