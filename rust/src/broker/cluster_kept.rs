@@ -242,6 +242,11 @@ impl Engine {
         let Some(&sid) = self.by_client.get(client_id) else {
             return;
         };
+        if home == 0 {
+            // No dead home: what reached the session where it was, taken once here.
+            self.note_recent(sid, ids);
+            return;
+        }
         if let Some(s) = self.session_mut(sid) {
             let recent = s.recent.get_or_insert_with(Default::default);
             recent.kept_from = home;

@@ -35,7 +35,10 @@
 //!   (30 s) after a session is installed it remembers the ids that reach it, starting with those
 //!   of its records, and takes each once: a message that reached the new home from a third
 //!   node is relayed too (only the new home knows whether it had the session then), and a
-//!   session that comes straight back gets what its old relay caught meanwhile once.
+//!   session that comes straight back gets what its old relay caught meanwhile once. A
+//!   session that moves on within those 30 s takes the ids with it (`KeptState` with home
+//!   0, after the claim answer): a relay's late message (an old home that was frozen, a
+//!   relay chain) reaches it once, not again at the next node.
 //!   Messages from peers of protocol 4 carry none: those the new home also got for its own
 //!   subscriptions (a forwarded message lists the other nodes it went to) are not relayed.
 //!
@@ -468,7 +471,7 @@ impl Engine {
                     self.end_session(sid, now);
                 } else {
                     records = self.session_records(sid, true, now);
-                    kept = self.kept_state(sid, now);
+                    kept = self.moving_ids(sid, now);
                     self.hand_over(sid, peer, true, now);
                     self.claims.stats.sessions_out += 1;
                 }
@@ -486,6 +489,21 @@ impl Engine {
             self.cluster.seal_for(peer);
             self.store_outgoing(peer);
         }
+    }
+
+    /// What a session handed over takes with it besides its records (`KeptState`): the
+    /// ids of what reached it while its old home is dead (`cluster_kept`), or home 0 and
+    /// those of what reached it since it moved here (`RECENT_MS`). A message sent to this
+    /// node before the hand-over (through an old relay of it, or by a node that had not
+    /// yet our rows) is then relayed on and delivered once.
+    fn moving_ids(&self, sid: SessionId, now: u64) -> Option<(u64, Vec<Mark>, Vec<u128>)> {
+        let recent = self.session(sid)?.recent.as_ref()?;
+        let fresh = now < recent.until;
+        let mut kept = self.kept_state(sid, now).unwrap_or_default();
+        if fresh {
+            kept.2.extend(recent.ids.iter().copied());
+        }
+        (kept.0 != 0 || !kept.2.is_empty()).then_some(kept)
     }
 
     /// A peer answered the claim with `stamp` (records: the session, if it held one;
@@ -667,6 +685,16 @@ impl Engine {
         let ids = ids.chain(session.queue.iter().map(|d| d.msg.id));
         recent.ids.extend(ids.filter(|&id| id != 0));
         session.recent = Some(recent);
+    }
+
+    /// Ids of what reached session `sid` on the node it came from: taken once here too.
+    pub(super) fn note_recent(&mut self, sid: SessionId, ids: &[u128]) {
+        let Some(recent) = self.session_mut(sid).and_then(|s| s.recent.as_mut()) else {
+            return;
+        };
+        let room = RECENT_MAX.saturating_sub(recent.ids.len());
+        let ids = ids.iter().copied().filter(|&id| id != 0);
+        recent.ids.extend(ids.take(room));
     }
 
     /// Whether message `id` reached session `sid` since it moved here (it is remembered if

@@ -2612,6 +2612,73 @@ fn what_a_session_resumed_from_a_copy_held_is_not_delivered_again_when_its_old_h
     assert_eq!(payloads(&n.h[2].recv_one(moved)), Vec::<String>::new());
 }
 
+/// `settle`, with every frame to node `frozen` held in `held` (in order) instead.
+fn settle_holding(n: &mut Nodes, frozen: usize, held: &mut Vec<(usize, Vec<u8>)>) {
+    for _ in 0..20 {
+        let mut moved = false;
+        for i in 0..n.h.len() {
+            if i == frozen || !n.h[i].e.has_cluster_output() {
+                continue;
+            }
+            let mut frames = Vec::new();
+            n.h[i].e.drain_cluster(|p, f| frames.push((p, f.to_vec())));
+            for (p, frame) in frames {
+                let j = n.peer[i].iter().position(|&x| x == p).unwrap();
+                if j == frozen {
+                    held.push((i, frame));
+                    continue;
+                }
+                moved = true;
+                let from = n.peer[j][i];
+                let now = n.h[j].now;
+                n.h[j].e.cluster_feed(from, &body_of(&frame), now).unwrap();
+            }
+        }
+        if !moved {
+            return;
+        }
+    }
+    panic!("frames never stopped flowing");
+}
+
+#[test]
+fn a_message_an_old_home_relays_late_is_not_delivered_again_after_the_session_moved_on() {
+    // Found by the fault-injection run: node 0 (the old home, relaying to node 1) is frozen
+    // while the session gets X on node 1 and moves on to node 2; node 0 wakes up and relays
+    // X to node 1, which relays it on to node 2. Node 0 owns no copy of it (so its claims
+    // do not wait for node 0).
+    let (mut n, mut disks) = copying_nodes(3, &[1, 2], 0);
+    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
+    n.h[0].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    let on1 = n.h[1].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 1, on1, &[]);
+    settle_and_sync(&mut n, &mut disks);
+    let mut held = Vec::new();
+    n.h[2].publish(publisher, "cmd/dev", "x", QoS::AtLeastOnce, false);
+    settle_holding(&mut n, 0, &mut held);
+    let got = n.h[1].recv_one(on1);
+    assert_eq!(payloads(&got), ["x"]);
+    puback_all(&mut n, 1, on1, &got);
+    settle_holding(&mut n, 0, &mut held);
+    let now = n.h[1].now;
+    n.h[1].e.closed(on1, now);
+    settle_holding(&mut n, 0, &mut held);
+    let on2 = n.h[2].open_connect(persistent_v5("dev"));
+    settle_holding(&mut n, 0, &mut held);
+    assert_resumed(&mut n, 2, on2, &[]);
+    // Node 0 wakes up and reads what waited for it.
+    for (i, frame) in held {
+        let from = n.peer[0][i];
+        let now = n.h[0].now;
+        n.h[0].e.cluster_feed(from, &body_of(&frame), now).unwrap();
+    }
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[2].recv_one(on2)), Vec::<String>::new());
+}
+
 #[test]
 fn what_the_resuming_node_kept_itself_for_the_dead_home_reaches_the_session() {
     let (mut n, mut disks, _) = dev_kept_for_dead_node0(0);
