@@ -2534,6 +2534,23 @@ fn sessions_resuming_together_share_one_read_of_what_is_kept_in_the_store() {
     }
 }
 
+/// The client of connection `on.1` on node `on.0` goes away and reconnects to node `to`
+/// with a persistent session; the new connection.
+fn reconnect_elsewhere(
+    n: &mut Nodes,
+    disks: &mut [Disk],
+    on: (usize, crate::broker::ConnId),
+    to: usize,
+    client_id: &str,
+) -> crate::broker::ConnId {
+    let now = n.h[on.0].now;
+    n.h[on.0].e.closed(on.1, now);
+    settle_and_sync(n, disks);
+    let moved = n.h[to].open_connect(persistent_v5(client_id));
+    settle_and_sync(n, disks);
+    moved
+}
+
 /// The client of connection `conn` on node `i` acknowledges the QoS 1 messages `got`.
 fn puback_all(n: &mut Nodes, i: usize, conn: crate::broker::ConnId, got: &[Packet]) {
     for p in publishes(got) {
@@ -2572,11 +2589,7 @@ fn what_reached_a_session_straight_is_not_handed_to_it_again_as_kept_after_it_mo
     settle_and_sync(&mut n, &mut disks);
     // The client moves on to node 2: node 2's queue for node 0 holds k1 and d1, both of
     // which the session got already.
-    let now = n.h[1].now;
-    n.h[1].e.closed(back, now);
-    settle_and_sync(&mut n, &mut disks);
-    let moved = n.h[2].open_connect(persistent_v5("dev"));
-    settle_and_sync(&mut n, &mut disks);
+    let moved = reconnect_elsewhere(&mut n, &mut disks, (1, back), 2, "dev");
     assert_resumed(&mut n, 2, moved, &[]);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(payloads(&n.h[2].recv_one(moved)), Vec::<String>::new());
@@ -2598,11 +2611,7 @@ fn what_a_session_resumed_from_a_copy_held_is_not_delivered_again_when_its_old_h
     assert_eq!(payloads(&got[1..]), ["m1"]);
     puback_all(&mut n, 1, back, &got);
     settle_and_sync(&mut n, &mut disks);
-    let now = n.h[1].now;
-    n.h[1].e.closed(back, now);
-    settle_and_sync(&mut n, &mut disks);
-    let moved = n.h[2].open_connect(persistent_v5("dev"));
-    settle_and_sync(&mut n, &mut disks);
+    let moved = reconnect_elsewhere(&mut n, &mut disks, (1, back), 2, "dev");
     assert_resumed(&mut n, 2, moved, &[]);
     // Node 0 comes back a second later with m1 queued for its (stale) session: it gives
     // way and sends m1 on, which the session got already.
@@ -2769,11 +2778,7 @@ fn a_session_that_moves_on_while_its_dead_home_is_down_takes_what_was_kept_for_i
     settle_and_sync(&mut n, &mut disks);
     // It moves on to node 3 at once: node 3 asks node 2 (k1), and node 1's queue still
     // holds j1 for node 0, which the session does not take again.
-    let now = n.h[1].now;
-    n.h[1].e.closed(back, now);
-    settle_and_sync(&mut n, &mut disks);
-    let moved = n.h[3].open_connect(persistent_v5("dev"));
-    settle_and_sync(&mut n, &mut disks);
+    let moved = reconnect_elsewhere(&mut n, &mut disks, (1, back), 3, "dev");
     assert_resumed(&mut n, 3, moved, &["k1"]);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(payloads(&n.h[3].recv_one(moved)), Vec::<String>::new());

@@ -147,18 +147,16 @@ class Run:
             node = rng.choice(self.cluster.nodes)
             fault = rng.choice(s.faults)
             self.faults += 1
-            if fault == "kill":
-                self.record("nemesis", "info", "kill", node=node.node_id)
-                node.kill()
-                time.sleep(s.fault_for)
-                node.start()
-                self.record("nemesis", "info", "start", node=node.node_id)
-            else:
-                self.record("nemesis", "info", "pause", node=node.node_id)
-                node.pause()
-                time.sleep(s.fault_for)
-                node.resume()
-                self.record("nemesis", "info", "resume", node=node.node_id)
+            # The fault, what ends it, and the name of its end in the history.
+            apply, revert, reverted = {
+                "kill": (node.kill, node.start, "start"),
+                "pause": (node.pause, node.resume, "resume"),
+            }[fault]
+            self.record("nemesis", "info", fault, node=node.node_id)
+            apply()
+            time.sleep(s.fault_for)
+            revert()
+            self.record("nemesis", "info", reverted, node=node.node_id)
             # The next fault only once the cluster is whole again.
             try:
                 self.cluster.wait_converged(30)
