@@ -507,8 +507,8 @@ impl Cluster {
     }
 
     /// The batches kept for peer `id` from the first that lives only in the store on, in
-    /// queue order (some of them may be in memory: the newest are spilled first, but a
-    /// batch not yet stored then stays).
+    /// queue order (some of them may be in memory: each spill takes the newest batches, so
+    /// those queued after an earlier spill stay in memory while there is room).
     pub(super) fn batches_from_store(&self, id: PeerId) -> Vec<KeptBatch> {
         let Some(peer) = self.peer_ref(id) else {
             return Vec::new();

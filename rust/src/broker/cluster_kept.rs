@@ -310,6 +310,7 @@ impl Engine {
         (out, spilled)
     }
 
+    /// Logs the batches kept for `dead` that a search for `client_id` passed over.
     pub(super) fn kept_not_searched(
         &mut self,
         dead: PeerId,
