@@ -547,11 +547,6 @@ impl Cluster {
         frames
     }
 
-    /// Something waits for the caller's next flush (e.g. records to read back).
-    pub(super) fn note_output(&mut self) {
-        self.has_output = true;
-    }
-
     /// Calls `f(incarnation, number, written to the link, frame)` with each batch kept for
     /// peer `id` before the first that lives only in the store, oldest first (what was
     /// queued for it is closed first). Returns the batches from that one on.

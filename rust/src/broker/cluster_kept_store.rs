@@ -110,7 +110,6 @@ impl Engine {
         } else {
             scan.waiting.push(search);
         }
-        self.cluster.note_output();
     }
 
     /// Adds to `loads` the records the searches read next (about `LOAD_BUDGET` bytes of
@@ -234,7 +233,6 @@ impl Engine {
         scan.found += count as u64;
         if !scan.batches.is_empty() {
             scan.searches = searches;
-            self.cluster.note_output();
             return Some(problems);
         }
         // The pass is over: the searches that came meanwhile start the next.
@@ -263,7 +261,6 @@ impl Engine {
             let scan = self.kept_scans.scans.get_mut(&peer)?;
             scan.searches = waiting;
             scan.batches = batches.into();
-            self.cluster.note_output();
         }
         Some(problems)
     }
