@@ -56,7 +56,7 @@ use super::cluster_kept::KEPT_MAX;
 use super::cluster_replicas::THIS_NODE;
 use super::connect::PendingConnect;
 use super::router::Scope;
-use super::state::{ConnState, Message, SessionId};
+use super::state::{ConnState, Delivery, Message, SessionId};
 use super::{ConnId, Engine};
 use crate::cluster::batch::{Mark, Stamp};
 use crate::codec::QoS;
@@ -544,12 +544,17 @@ impl Engine {
                     self.install_session(client_id, records, marks, now);
                 }
                 _ => {
-                    // A session of this client is here already (a newer connect): the
-                    // handed-over one is dropped.
+                    // A session of this client is here already (a newer connect, made while
+                    // the node handing this one over was out of reach): what that one held
+                    // for the client goes to this one, unless it reached it another way.
+                    let merged = self.merge_handed_over(client_id, records, now);
                     self.event(
-                        "claim_dropped",
+                        "claim_merged",
                         Arc::from(client_id),
-                        "a session handed over arrived after a newer one".into(),
+                        format!(
+                            "a session handed over arrived after a newer one: \
+                             {merged} of its messages added to it"
+                        ),
                     );
                 }
             }
@@ -579,6 +584,47 @@ impl Engine {
         if done {
             self.finish_claim(client_id, true, now);
         }
+    }
+
+    /// Delivers to the session of `client_id` here what an older version of it (`records`,
+    /// handed over late) held for its client and it has not seen (`seen_since_move`: for
+    /// `RECENT_MS` after it was installed, and its own queue). Returns how many.
+    fn merge_handed_over(
+        &mut self,
+        client_id: &str,
+        records: &[(&[u8], &[u8])],
+        now: u64,
+    ) -> usize {
+        let Some(&sid) = self.by_client.get(client_id) else {
+            return 0;
+        };
+        let mut merged = 0;
+        for d in self.undelivered_in_records(records, now) {
+            let known = self.session(sid).is_some_and(|s| {
+                let ids = s.inflight.iter().map(|f| f.delivery.msg.id);
+                ids.chain(s.queue.iter().map(|q| q.msg.id))
+                    .any(|id| id != 0 && id == d.msg.id)
+            });
+            // Without an id a QoS 2 message could reach the client twice: left out.
+            if known || (d.msg.id == 0 && d.qos == QoS::ExactlyOnce) {
+                continue;
+            }
+            if self.seen_since_move(sid, d.msg.id, now) {
+                continue;
+            }
+            // Seen now (above): `deliver` would take it for a repeat.
+            let Delivery {
+                msg,
+                qos,
+                retain,
+                sub_ids,
+                ..
+            } = d;
+            if self.deliver_unchecked(sid, &msg, qos, retain, sub_ids, now) {
+                merged += 1;
+            }
+        }
+        merged
     }
 
     /// The session a claim of this node brought, from `peer` (an older version restored

@@ -3746,3 +3746,50 @@ fn a_client_id_nobody_holds_is_claimed_from_nobody() {
     let sessions: Vec<usize> = n.h.iter().map(|h| h.e.session_count()).collect();
     assert_eq!(sessions, [0, 2, 0]);
 }
+
+#[test]
+fn a_session_taken_over_on_a_node_cut_off_from_its_live_home_gets_what_that_home_queued() {
+    // Found by the fault-injection run's splits: node 1 (an owner, holding the copy) is cut
+    // off from the others while the live home (node 0) queues what node 2 publishes. The
+    // client lands on node 1, whose claim reaches node 0 but not the answer: node 0 hands
+    // the session over (the answer waits in its queue for node 1), and node 1, finding its
+    // links down, resumes the session from its copy. When the split heals the answer
+    // arrives, late: what node 0 had queued is delivered, once, in order.
+    // Node 1 is the partition's first owner: it stamps its own claims.
+    let (mut n, mut disks) = copying_nodes(3, &[1, 0], 0);
+    offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    n.h[2].publish(publisher, "cmd/dev", "m0", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    n.mute = vec![(0, 1), (1, 0), (1, 2), (2, 1)];
+    for m in ["m1", "m2"] {
+        n.h[2].publish(publisher, "cmd/dev", m, QoS::AtLeastOnce, false);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    n.mute = vec![(0, 1), (2, 1)];
+    let back = n.h[1].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    assert!(n.h[1].recv_one(back).is_empty());
+    assert_eq!(n.h[0].e.session_count(), 0);
+    n.mute.clear();
+    n.cut_link(0, 1);
+    n.cut_link(1, 2);
+    settle_and_sync(&mut n, &mut disks);
+    serve_copy_loads(&mut n.h[1], &disks[1]);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[1].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), ["m0"]);
+    puback_all(&mut n, 1, back, &got);
+    n.heal_link(0, 1);
+    n.heal_link(1, 2);
+    settle_and_sync(&mut n, &mut disks);
+    let events = n.h[1].e.take_events();
+    assert!(events.iter().any(|e| e.0 == "claim_merged"), "{events:?}");
+    let got = n.h[1].recv_one(back);
+    assert_eq!(payloads(&got), ["m1", "m2"]);
+    puback_all(&mut n, 1, back, &got);
+    n.h[2].publish(publisher, "cmd/dev", "m3", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["m3"]);
+}
