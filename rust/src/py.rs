@@ -490,6 +490,7 @@ impl PyEngine {
         d.set_item("sessions_out", s.sessions_out)?;
         d.set_item("kept_handed", s.kept_handed)?;
         d.set_item("kept_read_back", s.kept_read_back)?;
+        d.set_item("refused_out_of_reach", s.refused_out_of_reach)?;
         let (r, known) = self.inner.registry_stats();
         d.set_item("routed", r.routed)?;
         d.set_item("directed", r.directed)?;

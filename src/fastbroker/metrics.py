@@ -442,6 +442,12 @@ class BrokerCollector:
             "back to look through for its sessions",
             claims["kept_read_back"],
         )
+        yield counter(
+            "cluster_connects_refused_out_of_reach",
+            "CONNECTs of persistent sessions refused (0x88) because the nodes that may hold "
+            "the session were out of reach",
+            claims["refused_out_of_reach"],
+        )
         wills = dataplane.engine.will_stats()
         yield gauge(
             "cluster_will_copies",

@@ -111,6 +111,9 @@ struct Claim {
     /// the records), installed when every answer is in: owners' copies can lag each other
     /// by what was acknowledged with fewer of them.
     best_copy: Option<CopyAnswer>,
+    /// Nobody could be asked, though nodes that may hold the session are members that went
+    /// out of reach lately (`out_of_reach`): unless a session came, the CONNECT is refused.
+    out_of_reach: bool,
 }
 
 /// A session that came here from a live home, which relays for it meanwhile.
@@ -168,6 +171,9 @@ pub struct ClaimStats {
     /// Batches kept here for a dead home only in the store, read back to look through for
     /// its sessions (`cluster_kept_store`).
     pub kept_read_back: u64,
+    /// CONNECTs refused because the nodes that may hold the client's session were out of
+    /// reach (and no copy was here).
+    pub refused_out_of_reach: u64,
 }
 
 impl Claims {
@@ -209,6 +215,13 @@ impl Engine {
     ) {
         self.will_on_claim(&pending.client_id, now);
         if !self.claim_needed(&pending) {
+            let resumes = !pending.connect.clean_start && pending.assigned.is_none();
+            if resumes
+                && !self.by_client.contains_key(&pending.client_id)
+                && self.may_hold_out_of_reach(None, now)
+            {
+                return self.refuse_out_of_reach(id);
+            }
             return self.accept_connect_here(id, pending, auth_method, auth_data, now);
         }
         let client_id = pending.client_id.clone();
@@ -238,6 +251,7 @@ impl Engine {
                 route: None,
                 route_until: 0,
                 silent: Vec::new(),
+                out_of_reach: false,
             },
         );
         if self.route_claim(&client_id, false, now) {
@@ -328,6 +342,7 @@ impl Engine {
         for &peer in &peers {
             self.cluster.queue_claim(peer, client_id, stamp, discard);
         }
+        let out_of_reach = !discard && peers.is_empty() && self.may_hold_out_of_reach(ask, now);
         if !discard && self.claim_own_copy(client_id, None) {
             peers.push(THIS_NODE);
         }
@@ -335,9 +350,44 @@ impl Engine {
         let claim = self.claims.pending.get_mut(client_id).expect("checked");
         claim.stamp = stamp;
         claim.route = None;
+        claim.out_of_reach = out_of_reach && peers.is_empty();
         claim.waiting = peers;
         claim.deadline = now + wait;
         claim.waiting.is_empty()
+    }
+
+    /// Whether a node that may hold a client's session (one `ask` names, or any peer if the
+    /// claim asks every node in reach) is out of reach since less than a claim's wait for a
+    /// silent home: cut off by a split, or stalled, it may come back with the session. A
+    /// node down for longer is taken for dead (its sessions are served from their copies),
+    /// so a last survivor goes on serving.
+    fn may_hold_out_of_reach(&mut self, ask: Option<&[u64]>, now: u64) -> bool {
+        let wait = self.claim_wait_ms(false);
+        let long_gone = self.cluster.down_longer_than(wait, now);
+        let named: Vec<PeerId> = match ask {
+            Some(keys) => keys
+                .iter()
+                .filter_map(|&k| self.cluster.peer_by_key(k))
+                .collect(),
+            None => self
+                .cluster
+                .peer_keys()
+                .into_iter()
+                .map(|(p, _)| p)
+                .collect(),
+        };
+        named
+            .into_iter()
+            .any(|p| !self.cluster.peer_up(p) && !long_gone.contains(&p))
+    }
+
+    /// A fresh session here would lose the client's subscriptions and queue, which may live
+    /// on a node out of reach: refused, the client reconnects (through a load balancer, to
+    /// another node) and resumes there, or here once that node is back.
+    fn refuse_out_of_reach(&mut self, conn: ConnId) {
+        let why = "the nodes that may hold this client's session are out of reach";
+        self.refuse(conn, 0x88, why);
+        self.claims.stats.refused_out_of_reach += 1;
     }
 
     /// Owner `peer` stamped our claim `req` of `client_id` and named the nodes to ask.
@@ -807,10 +857,14 @@ impl Engine {
             }
         }
         // The connection may have closed meanwhile (its slot even reused).
-        let live = self.conn(claim.conn).is_some_and(|c| {
+        let mut live = self.conn(claim.conn).is_some_and(|c| {
             c.state == ConnState::AwaitClaim && c.client_id == claim.connect.client_id
         });
         let id = claim.connect.client_id.clone();
+        if live && claim.out_of_reach && !self.by_client.contains_key(&id) {
+            self.refuse_out_of_reach(claim.conn);
+            live = false;
+        }
         let clean = claim.connect.connect.clean_start;
         if live {
             self.accept_connect_here(

@@ -3793,3 +3793,33 @@ fn a_session_taken_over_on_a_node_cut_off_from_its_live_home_gets_what_that_home
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(payloads(&n.h[1].recv_one(back)), ["m3"]);
 }
+
+#[test]
+fn a_node_cut_off_from_every_node_that_may_hold_a_session_refuses_its_client_for_a_while() {
+    // Found by the fault-injection run's splits: node 0, cut off, gave the client a fresh
+    // session (session present 0, no subscriptions) while its session lived on node 1.
+    let (mut n, mut disks) = copying_nodes(3, &[1, 2], 0);
+    offline_session(&mut n, 1, persistent_v5("dev"), QoS::AtLeastOnce);
+    settle_and_sync(&mut n, &mut disks);
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    let c = n.h[0].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv_one(c);
+    assert_eq!(connack(&got).reason_code, 0x88, "{got:?}");
+    assert_eq!(n.h[0].e.session_count(), 0);
+    assert_eq!(n.h[0].e.claim_stats().refused_out_of_reach, 1);
+    // A client that wants no session back is not refused.
+    let clean = super::tests::connect("other", Protocol::V5, true);
+    connect_on(&mut n, 0, clean);
+    // Out of reach for longer than a claim waits for a silent home: taken for dead, and
+    // this node serves the client (a last survivor stays available).
+    let later = n.h[0].now + 3_000;
+    n.h[0].now = later;
+    n.h[0].e.tick(later);
+    let c = n.h[0].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv_one(c);
+    assert_eq!(connack(&got).reason_code, 0, "{got:?}");
+    assert!(!connack(&got).session_present);
+}
