@@ -47,6 +47,9 @@ command -v mosquitto_pub >/dev/null || missing_packages+=(mosquitto-clients)
 command -v strace >/dev/null || missing_packages+=(strace)
 # `ip netns`: the multicast discovery tests run nodes inside network namespaces.
 command -v ip >/dev/null || missing_packages+=(iproute2)
+# The fault-injection suite: HAProxy in front of the nodes, nftables rules for splits.
+command -v haproxy >/dev/null || missing_packages+=(haproxy)
+command -v nft >/dev/null || missing_packages+=(nftables)
 # Headless Chromium opens the load-test dashboard; Java runs Spark (the fresh machine has 17).
 command -v chromium >/dev/null || missing_packages+=(chromium)
 command -v java >/dev/null || missing_packages+=(openjdk-17-jre-headless)

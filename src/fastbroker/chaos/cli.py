@@ -9,9 +9,11 @@ import click
 
 from fastbroker.chaos.checker import Result, check
 from fastbroker.chaos.history import HistoryError, read
+from fastbroker.chaos.runner import FAULTS
 
 EXIT_ANOMALIES = 1
 EXIT_BAD_HISTORY = 2
+EXIT_CANNOT_RUN = 3
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -45,6 +47,12 @@ def check_command(history: Path, as_json: bool) -> None:
     help="Publishes per second per publisher.",
 )
 @click.option(
+    "--faults",
+    default=",".join(FAULTS),
+    show_default=True,
+    help="The kinds of fault the nemesis picks from, comma-separated.",
+)
+@click.option(
     "--workdir",
     type=click.Path(file_okay=False, path_type=Path),
     required=True,
@@ -52,13 +60,26 @@ def check_command(history: Path, as_json: bool) -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def run_command(
-    nodes: int, seconds: float, seed: int, rate: float, workdir: Path, as_json: bool
+    nodes: int, seconds: float, seed: int, rate: float, faults: str, workdir: Path, as_json: bool
 ) -> None:
-    """Runs a seeded schedule against a cluster of NODES real nodes on loopback (kills and
-    pauses, one at a time), records the history in WORKDIR/history.jsonl and checks it."""
+    """Runs a seeded schedule against a cluster of NODES real nodes in network namespaces
+    behind HAProxy (kills, pauses and splits, one at a time; needs root, haproxy, nftables),
+    records the history in WORKDIR/history.jsonl and checks it."""
+    from fastbroker.chaos.front import Front
+    from fastbroker.chaos.network import Network
     from fastbroker.chaos.runner import Run, Schedule
 
-    run = Run(Schedule(nodes=nodes, seconds=seconds, seed=seed, rate=rate), workdir)
+    kinds = tuple(f.strip() for f in faults.split(",") if f.strip())
+    unknown = sorted(set(kinds) - set(FAULTS))
+    if unknown or not kinds:
+        raise click.BadParameter(f"unknown: {', '.join(unknown)} (known: {', '.join(FAULTS)})")
+    # One line, not a traceback, when this machine cannot run it.
+    missing = Network.unavailable() or Front.unavailable()
+    if missing:
+        click.echo(f"fastbroker-chaos: cannot run: {missing}", err=True)
+        raise SystemExit(EXIT_CANNOT_RUN)
+    schedule = Schedule(nodes=nodes, seconds=seconds, seed=seed, rate=rate, faults=kinds)
+    run = Run(schedule, workdir)
     result = run.execute()
     click.echo(f"faults injected: {run.faults}; history: {run.history}")
     report(result, as_json)

@@ -1,6 +1,7 @@
-"""The cluster a fault-injection run breaks: real `fastbroker run` processes on loopback
-addresses (127.X.0.N), each with its own data directory, started, killed, paused and
-resumed by PID. Only processes started here are signalled."""
+"""The cluster a fault-injection run breaks: real `fastbroker run` processes, each in its own
+network namespace (chaos/network.py) with its own data directory, behind HAProxy
+(chaos/front.py); started, killed, paused and resumed by PID. Only processes started here are
+signalled."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from fastbroker.chaos.front import Front, admin_get
+from fastbroker.chaos.network import Network
 
 MQTT_PORT = 21883
 CLUSTER_PORT = 27883
@@ -33,11 +37,22 @@ def toml_value(value: Any) -> str:
 class NodeProcess:
     """One node: its addresses, its process (None while it is not running)."""
 
-    def __init__(self, node_id: str, ip: str, workdir: Path, cluster: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        ip: str,
+        workdir: Path,
+        cluster: dict[str, Any],
+        command: Callable[[list[str]], list[str]],
+        admin_socket: str,
+    ) -> None:
         self.node_id = node_id
         self.ip = ip
         self.workdir = workdir
         self.cluster = cluster
+        # Wraps argv to run in the node's namespace.
+        self.command = command
+        self.admin_socket = admin_socket
         self.proc: subprocess.Popen[bytes] | None = None
         self.paused = False
         workdir.mkdir(parents=True, exist_ok=True)
@@ -48,9 +63,12 @@ class NodeProcess:
 
     def config_text(self) -> str:
         lines = [
-            "[listener]",
+            # Clients reach it through HAProxy only.
+            "[[listeners]]",
+            'name = "behind-haproxy"',
             f"host = {toml_value(self.ip)}",
             f"port = {MQTT_PORT}",
+            'proxy_protocol = "v2"',
             "[storage]",
             f"data_dir = {toml_value(str(self.workdir / 'data'))}",
             "[log]",
@@ -71,7 +89,7 @@ class NodeProcess:
         config.write_text(self.config_text())
         with open(self.workdir / "node.log", "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "fastbroker", "run", "--config", str(config)],
+                self.command([sys.executable, "-m", "fastbroker", "run", "--config", str(config)]),
                 cwd=self.workdir,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -100,12 +118,17 @@ class NodeProcess:
             self.proc.send_signal(signal.SIGCONT)
         self.paused = False
 
+    def terminate(self) -> None:
+        """SIGTERM (a planned stop), without waiting."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.resume()
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self) -> None:
         """SIGTERM (a planned stop), SIGKILL after 15 s."""
         if self.proc is None or self.proc.poll() is not None:
             return
-        self.resume()
-        self.proc.send_signal(signal.SIGTERM)
+        self.terminate()
         try:
             self.proc.wait(15)
         except subprocess.TimeoutExpired:
@@ -114,35 +137,57 @@ class NodeProcess:
 
     def status(self) -> dict[str, Any] | None:
         """Its /cluster/status, or None if it does not answer within a second."""
-        request = urllib.request.Request(
-            f"http://{self.ip}:{ADMIN_PORT}/cluster/status",
-            headers={"X-Fastbroker-Admin": "1"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=1.0) as response:
-                return json.loads(response.read())
-        except (OSError, ValueError, urllib.error.URLError):
+        if not self.running() or self.paused:
             return None
+        status: dict[str, Any] | None = admin_get(self.admin_socket, "/cluster/status")
+        return status
 
 
 class Nodes:
-    """Nodes n1..nN on 127.`subnet`.0.1..N; n1 founds the cluster, the others join it."""
+    """Nodes n1..nN at 10.`subnet`.0.1..N, each in its namespace; n1 founds the cluster, the
+    others join it; HAProxy in front."""
 
     def __init__(self, count: int, workdir: Path, subnet: int, settings: dict[str, Any]) -> None:
         secret = os.urandom(16).hex()
+        self.network = Network(count, subnet)
+        # Unix socket paths are limited to 108 bytes: a short directory of its own.
+        self.sockets = Path(tempfile.mkdtemp(prefix="fbc"))
+        names = [(f"n{i}", self.network.ip(i)) for i in range(1, count + 1)]
+        self.front = Front(
+            names,
+            MQTT_PORT,
+            ADMIN_PORT,
+            self.sockets,
+            workdir,
+            lambda argv: self.network.command(self.network.switch, argv),
+        )
         self.nodes: list[NodeProcess] = []
-        first = f"127.{subnet}.0.1:{CLUSTER_PORT}"
-        for i in range(1, count + 1):
+        first = f"{self.network.ip(1)}:{CLUSTER_PORT}"
+        for i, (name, ip) in enumerate(names, 1):
             cluster = {"secret": secret, **settings}
             if i > 1:
                 cluster["join"] = [first]
-            ip = f"127.{subnet}.0.{i}"
-            self.nodes.append(NodeProcess(f"n{i}", ip, workdir / f"n{i}", cluster))
+            ns = self.network.namespace(i)
+            self.nodes.append(
+                NodeProcess(
+                    name,
+                    ip,
+                    workdir / name,
+                    cluster,
+                    lambda argv, ns=ns: self.network.command(ns, argv),
+                    self.front.node_admin(name),
+                )
+            )
 
     def start(self, timeout: float) -> None:
+        self.network.create()
+        self.front.start(die_with_parent)
         for node in self.nodes:
             node.start()
         self.wait_converged(timeout)
+
+    def node(self, number: int) -> NodeProcess:
+        return self.nodes[number - 1]
 
     def converged(self) -> bool:
         """Every node answers, with all nodes as members, the same map, and every data
@@ -170,8 +215,20 @@ class Nodes:
         raise TimeoutError(f"the cluster did not converge within {timeout} s")
 
     def stop(self) -> None:
-        for node in self.nodes:
-            node.stop()
+        """Stops every node (in parallel: SIGTERM to all, then waits), HAProxy, and deletes
+        the namespaces and the sockets' directory."""
+        try:
+            self.network.heal()
+            for node in self.nodes:
+                node.terminate()
+            for node in self.nodes:
+                node.stop()
+            self.front.stop()
+        finally:
+            self.network.delete()
+            for path in self.sockets.iterdir():
+                path.unlink()
+            self.sockets.rmdir()
 
 
 def die_with_parent() -> None:  # runs in the child between fork and exec

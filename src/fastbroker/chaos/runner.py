@@ -1,11 +1,12 @@
-"""A fault-injection run: a cluster of real nodes on loopback, persistent subscribers and
-publishers (paho-mqtt) that record everything they do and see, and a nemesis that kills and
-pauses nodes on a seeded schedule. The history goes to a file; the checker judges it.
+"""A fault-injection run: a cluster of real nodes in network namespaces behind HAProxy,
+persistent subscribers and publishers (paho-mqtt, through HAProxy) that record everything
+they do and see, and a nemesis that kills, pauses and cuts off nodes on a seeded schedule.
+The history goes to a file; the checker judges it.
 
-Clients connect straight to a random running node (the HAProxy front of issue 17 is not
-built yet) and move to another one when their connection drops. One fault at a time, each
-shorter than the failure timeout, so the cluster keeps its majority and no node is removed;
-splits, removals and membership changes are not in this schedule yet.
+One fault at a time, each shorter than the failure timeout, so the cluster keeps its
+majority; a split's links can stay silent longer than the split (TCP's retransmission
+backoff), and then the node is removed and added again (docs/chaos.md). Faults chosen to
+outlast the failure timeout, and adding and removing nodes, are not in this schedule yet.
 """
 
 from __future__ import annotations
@@ -16,18 +17,25 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from fastbroker.chaos.checker import Result, check
 from fastbroker.chaos.history import Recorder, read
-from fastbroker.chaos.nodes import MQTT_PORT, NodeProcess, Nodes
+from fastbroker.chaos.nodes import Nodes
 
 TOPIC = "chaos/t"
+# Each publisher also sets a retained message on its own topic here (not subscribed to by
+# the subscribers); the final reads compare them across nodes.
+RETAINED_TOPIC = "chaos/r"
 SESSION_EXPIRY = 600
 KEEPALIVE = 2
-CONNECT_TIMEOUT = 3.0
+# As long as clients commonly wait for a CONNACK (paho's default is 5 s, others 10 to 30 s).
+CONNECT_TIMEOUT = 10.0
 IN_FLIGHT = 10
+# What the nemesis does to a node; "<fault>_long" lasts past the failure timeout.
+FAULTS = ("kill", "pause", "split", "kill_long", "pause_long", "split_long")
 
 
 @dataclass(frozen=True)
@@ -39,12 +47,20 @@ class Schedule:
     subscribers: int = 3
     # Publishes per second per publisher (at most IN_FLIGHT unacknowledged).
     rate: float = 20.0
-    faults: tuple[str, ...] = ("kill", "pause")
-    # A fault begins every `fault_every` s (0.5x to 1.5x, seeded) and lasts `fault_for` s.
+    # "<fault>_long": lasts `long_for` s, past the failure timeout: the node is removed
+    # from the cluster, and added again once it is back.
+    faults: tuple[str, ...] = FAULTS
+    # A fault begins every `fault_every` s (0.5x to 1.5x, seeded) and lasts `fault_for` s;
+    # a split lasts from `split_for[0]` to `split_for[1]` s (seeded), shorter than the
+    # failure timeout.
     fault_every: float = 6.0
     fault_for: float = 1.5
+    split_for: tuple[float, float] = (1.0, 4.0)
+    long_for: float = 8.0
     # Each subscriber leaves its node for another every this many s (uniform, seeded).
     move_every: tuple[float, float] = (2.0, 6.0)
+    # Every publisher sets its retained message every this many of its publishes.
+    retain_every: int = 10
     failure_timeout_ms: int = 5000
 
 
@@ -78,12 +94,6 @@ class Run:
             self.recorder.record(time.monotonic(), process, kind, f, **value)
             if f == "receive":
                 self.last_receive = time.monotonic()
-
-    def live_node(self, rng: random.Random, leaving: NodeProcess | None) -> NodeProcess | None:
-        """A random running node, other than `leaving` if there is one."""
-        live = [n for n in self.cluster.nodes if n.running() and not n.paused]
-        others = [n for n in live if n is not leaving]
-        return rng.choice(others or live) if live else None
 
     def execute(self) -> Result:
         s = self.schedule
@@ -133,6 +143,38 @@ class Run:
         self.subscribing.clear()
         for sub in subscribers:
             sub.thread.join()
+        topics = sorted({pub.retained_topic for pub in publishers})
+        for node in self.cluster.nodes:
+            self.read_retained(node.node_id, self.cluster.front.node_mqtt(node.node_id), topics)
+
+    def read_retained(self, node: str, path: str, topics: list[str]) -> None:
+        """Records the retained message `node` holds for each of `topics` (through its own
+        socket): subscribes, and takes what comes until 1 s passes with nothing new."""
+        from paho.mqtt.client import CallbackAPIVersion, Client
+        from paho.mqtt.enums import MQTTProtocolVersion
+
+        held: dict[str, str] = {}
+        client = Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=f"{self.prefix}-read-{node}",
+            protocol=MQTTProtocolVersion.MQTTv5,
+            transport="unix",
+        )
+        last = [time.monotonic()]
+
+        def on_message(client: Any, userdata: Any, message: Any) -> None:
+            held[message.topic] = message.payload.decode(errors="replace")
+            last[0] = time.monotonic()
+
+        client.on_message = on_message
+        client.connect(path, keepalive=KEEPALIVE)
+        client.subscribe(f"{RETAINED_TOPIC}/#", qos=1)
+        deadline = time.monotonic() + 10
+        while time.monotonic() - last[0] < 1.0 and time.monotonic() < deadline:
+            client.loop(0.05)
+        client.disconnect()
+        for topic in topics:
+            self.record("reader", "info", "retained", node=node, topic=topic, id=held.get(topic))
 
     def nemesis(self, end: float) -> None:
         """Faults, one at a time, until `end` (monotonic s)."""
@@ -147,14 +189,26 @@ class Run:
             node = rng.choice(self.cluster.nodes)
             fault = rng.choice(s.faults)
             self.faults += 1
+            number = self.cluster.nodes.index(node) + 1
+            rest = [i for i in range(1, s.nodes + 1) if i != number]
+            network = self.cluster.network
             # The fault, what ends it, and the name of its end in the history.
+            kind = fault.removesuffix("_long")
             apply, revert, reverted = {
                 "kill": (node.kill, node.start, "start"),
                 "pause": (node.pause, node.resume, "resume"),
-            }[fault]
-            self.record("nemesis", "info", fault, node=node.node_id)
+                # Cut off from the other nodes; HAProxy still reaches it.
+                "split": (partial(network.split, [[number], rest]), network.heal, "heal"),
+            }[kind]
+            if fault != kind:
+                lasts = s.long_for
+            elif kind == "split":
+                lasts = rng.uniform(*s.split_for)
+            else:
+                lasts = s.fault_for
+            self.record("nemesis", "info", fault, node=node.node_id, seconds=round(lasts, 3))
             apply()
-            time.sleep(s.fault_for)
+            time.sleep(lasts)
             revert()
             self.record("nemesis", "info", reverted, node=node.node_id)
             # The next fault only once the cluster is whole again.
@@ -176,7 +230,7 @@ class Connection:
         self.persistent = persistent
         self.connected = False
         self.mqtt: Any = None
-        self.node: NodeProcess | None = None
+        self.connecting_since = 0.0
 
     def new_client(self) -> Any:
         from paho.mqtt.client import CallbackAPIVersion, Client
@@ -186,6 +240,7 @@ class Connection:
             CallbackAPIVersion.VERSION2,
             client_id=self.client_id,
             protocol=MQTTProtocolVersion.MQTTv5,
+            transport="unix",
         )
         client.on_connect = self.on_connect
         client.on_disconnect = self.on_disconnect
@@ -195,20 +250,15 @@ class Connection:
         from paho.mqtt.packettypes import PacketTypes
         from paho.mqtt.properties import Properties
 
-        node = self.run.live_node(self.rng, self.node)
-        if node is None:
-            time.sleep(0.2)
-            return False
         props = Properties(PacketTypes.CONNECT)
         if self.persistent:
             props.SessionExpiryInterval = SESSION_EXPIRY
-        value = {"client": self.client_id, "node": node.node_id, "clean": not self.persistent}
+        # Through HAProxy: which node it lands on is HAProxy's choice (round robin).
+        value = {"client": self.client_id, "node": "front", "clean": not self.persistent}
         self.run.record(self.name, "invoke", "connect", **value, will=None)
-        self.node = node
         try:
             self.mqtt.connect(
-                node.ip,
-                MQTT_PORT,
+                self.run.cluster.front.mqtt_socket,
                 keepalive=KEEPALIVE,
                 clean_start=not self.persistent,
                 properties=props,
@@ -217,7 +267,8 @@ class Connection:
             self.run.record(self.name, "fail", "connect", **value, error=str(error))
             time.sleep(0.2)
             return False
-        deadline = time.monotonic() + CONNECT_TIMEOUT
+        self.connecting_since = time.monotonic()
+        deadline = self.connecting_since + CONNECT_TIMEOUT
         while not self.connected and time.monotonic() < deadline:
             if self.mqtt.loop(0.05) != 0:
                 break
@@ -228,14 +279,14 @@ class Connection:
         return True
 
     def on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
-        assert self.node is not None
-        value = {"client": self.client_id, "node": self.node.node_id}
+        value = {"client": self.client_id, "node": "front"}
         if reason.is_failure:
             self.run.record(self.name, "fail", "connect", **value, reason=str(reason))
             return
         self.connected = True
         present = bool(flags.session_present)
-        self.run.record(self.name, "ok", "connect", **value, session_present=present)
+        waited = round(time.monotonic() - self.connecting_since, 3)
+        self.run.record(self.name, "ok", "connect", **value, session_present=present, waited=waited)
 
     def on_disconnect(
         self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any
@@ -284,8 +335,9 @@ class Subscriber(Connection):
         return time.monotonic() + self.rng.uniform(lo, hi)
 
     def move(self) -> None:
-        """Leaves its node, to reconnect to another: half the time with a DISCONNECT, half
-        by dropping the socket (what is in flight is then resent)."""
+        """Leaves its node, to reconnect through HAProxy (to the next node in its rotation):
+        half the time with a DISCONNECT, half by dropping the socket (what is in flight is
+        then resent)."""
         abrupt = self.rng.random() < 0.5
         self.run.record(self.name, "info", "move", client=self.client_id, abrupt=abrupt)
         if abrupt:
@@ -330,6 +382,7 @@ class Publisher(Connection):
         super().__init__(run, name, seed, persistent=False)
         self.qos = qos
         self.topic = f"{TOPIC}/{name}"
+        self.retained_topic = f"{RETAINED_TOPIC}/{name}"
         self.pending: dict[int, dict[str, Any]] = {}
         self.thread = threading.Thread(target=self.main, name=name, daemon=True)
 
@@ -345,17 +398,20 @@ class Publisher(Connection):
                 if not self.connect():
                     continue
             if time.monotonic() >= next_at and len(self.pending) < IN_FLIGHT:
+                retain = seq % self.run.schedule.retain_every == 0
                 value = {
                     "client": self.client_id,
-                    "topic": self.topic,
+                    "topic": self.retained_topic if retain else self.topic,
                     "qos": self.qos,
-                    "retain": False,
+                    "retain": retain,
                     "id": f"{self.name}-{seq}",
                 }
                 seq += 1
                 next_at += interval
                 self.run.record(self.name, "invoke", "publish", **value)
-                info = self.mqtt.publish(self.topic, value["id"].encode(), qos=self.qos)
+                info = self.mqtt.publish(
+                    value["topic"], value["id"].encode(), qos=self.qos, retain=retain
+                )
                 self.pending[info.mid] = value
             if self.mqtt.loop(0.01) != 0:
                 self.connected = False
