@@ -544,25 +544,30 @@ impl Engine {
             if received.contains(&seq) {
                 continue;
             }
-            let msg = Message {
-                topic: m.topic,
-                payload: m.payload,
-                qos: m.msg_qos,
-                retain: m.msg_retain,
-                props: m.props,
-                expires_at: m.expires_at_wall.map(|w| self.mono(w, now)),
-                origin: BROKER_ORIGIN,
-                id: m.id,
-            };
-            out.push(Delivery {
-                msg: Arc::new(msg),
-                qos: m.qos,
-                retain: m.retain,
-                sub_ids: m.sub_ids,
-                seq: 0,
-            });
+            out.push(self.stored_delivery(m, 0, now));
         }
         out
+    }
+
+    /// A stored message record as a delivery numbered `seq`.
+    fn stored_delivery(&self, m: StoredMessage, seq: u64, now: u64) -> Delivery {
+        let msg = Message {
+            topic: m.topic,
+            payload: m.payload,
+            qos: m.msg_qos,
+            retain: m.msg_retain,
+            props: m.props,
+            expires_at: m.expires_at_wall.map(|w| self.mono(w, now)),
+            origin: BROKER_ORIGIN,
+            id: m.id,
+        };
+        Delivery {
+            msg: Arc::new(msg),
+            qos: m.qos,
+            retain: m.retain,
+            sub_ids: m.sub_ids,
+            seq,
+        }
     }
 
     /// Rebuilds sessions, queues, in-flight windows and retained messages from what `restore`
@@ -639,24 +644,7 @@ impl Engine {
             let mut queue = VecDeque::new();
             for (seq, m) in msgs {
                 session.next_seq = session.next_seq.max(seq);
-                let expires_at = m.expires_at_wall.map(|w| self.mono(w, now));
-                let msg = Arc::new(Message {
-                    topic: m.topic,
-                    payload: m.payload,
-                    qos: m.msg_qos,
-                    retain: m.msg_retain,
-                    props: m.props,
-                    expires_at,
-                    origin: BROKER_ORIGIN,
-                    id: m.id,
-                });
-                let d = Delivery {
-                    msg,
-                    qos: m.qos,
-                    retain: m.retain,
-                    sub_ids: m.sub_ids,
-                    seq,
-                };
+                let d = self.stored_delivery(m, seq, now);
                 match flight.remove(&seq) {
                     Some((pkid, code)) => {
                         session.next_pkid = session.next_pkid.max(pkid);
