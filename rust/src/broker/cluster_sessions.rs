@@ -112,7 +112,7 @@ struct Claim {
     /// by what was acknowledged with fewer of them.
     best_copy: Option<CopyAnswer>,
     /// Nobody could be asked, though nodes that may hold the session are members that went
-    /// out of reach lately (`out_of_reach`): unless a session came, the CONNECT is refused.
+    /// out of reach lately (`may_hold_out_of_reach`): unless a session came, the CONNECT is refused.
     out_of_reach: bool,
 }
 
@@ -659,7 +659,7 @@ impl Engine {
             if known || (d.msg.id == 0 && d.qos == QoS::ExactlyOnce) {
                 continue;
             }
-            if self.seen_since_move(sid, d.msg.id, now) {
+            if d.msg.id != 0 && self.seen_since_move(sid, d.msg.id, now) {
                 continue;
             }
             // Seen now (above): `deliver` would take it for a repeat.
