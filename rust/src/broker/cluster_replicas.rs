@@ -283,6 +283,10 @@ impl Engine {
     pub fn cluster_set_map(&mut self, version: u64, owners: Vec<Vec<PeerId>>, now: u64) {
         let old = self.replicas.map.replace(SessionMap { version, owners });
         self.replicas.sweep_due = true;
+        if version != self.out_of_touch_map {
+            // In touch again: the cluster's membership changed since the pause.
+            self.out_of_touch_until = 0;
+        }
         if self.cluster.epoch_of() == 0 {
             return;
         }

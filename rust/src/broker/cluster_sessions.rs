@@ -213,6 +213,15 @@ impl Engine {
         auth_data: Option<Bytes>,
         now: u64,
     ) {
+        if now < self.out_of_touch_until {
+            // Its peers took this node for dead while it was stopped: a CONNECT read now
+            // (perhaps queued before the pause, its client long gone) must not take the
+            // client's session over from where it lives on.
+            let why = "this node is catching up with the cluster after a pause";
+            self.refuse(id, 0x88, why);
+            self.claims.stats.refused_out_of_reach += 1;
+            return;
+        }
         self.will_on_claim(&pending.client_id, now);
         if !self.claim_needed(&pending) {
             let resumes = !pending.connect.clean_start && pending.assigned.is_none();
@@ -379,6 +388,26 @@ impl Engine {
         named
             .into_iter()
             .any(|p| !self.cluster.peer_up(p) && !long_gone.contains(&p))
+    }
+
+    /// The caller's time is `now`. No time passing here for the failure timeout means this
+    /// process was stopped (SIGSTOP, a frozen VM, a long GC-like stall): its peers took it
+    /// for dead meanwhile, took its sessions over and may have removed it from the cluster.
+    /// Until the map changes (it is added again, or learns the cluster's current map) or
+    /// the failure timeout passes again, it refuses CONNECTs.
+    pub(super) fn observe_time(&mut self, now: u64) {
+        let limit = self.cfg.cluster_takeover_ms;
+        let gap = now.saturating_sub(self.last_now);
+        if limit > 0 && self.last_now != 0 && gap >= limit && self.cluster.epoch_of() != 0 {
+            self.out_of_touch_until = now + limit;
+            self.out_of_touch_map = self.replicas.map_version();
+            self.event(
+                "resumed_after_pause",
+                Arc::from(""),
+                format!("no time passed here for {gap} ms: CONNECTs refused until in touch"),
+            );
+        }
+        self.last_now = now;
     }
 
     /// A fresh session here would lose the client's subscriptions and queue, which may live

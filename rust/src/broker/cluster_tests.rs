@@ -1693,9 +1693,14 @@ fn an_owner_holding_a_copy_answers_a_claim_once_the_live_home_handed_the_session
 
 /// Node `i`'s tick, `ms` later than its last moment.
 fn tick_after(n: &mut Nodes, i: usize, ms: u64) {
-    n.h[i].now += ms;
-    let now = n.h[i].now;
-    n.h[i].e.tick(now);
+    // In steps shorter than the takeover time the tests use (5 s), as a running node
+    // ticks: one gap that long is a pause of the process (`observe_time`).
+    let end = n.h[i].now + ms;
+    while n.h[i].now < end {
+        n.h[i].now = end.min(n.h[i].now + 4_000);
+        let now = n.h[i].now;
+        n.h[i].e.tick(now);
+    }
 }
 
 #[test]
@@ -1958,15 +1963,15 @@ fn a_client_whose_home_stalls_resumes_from_the_copy_once_the_home_is_found_down(
     // Past 3 s neither the claimant nor the owner gives up on the home: answering without
     // it would start a session without the acknowledged m1. A clean start, which wants no
     // session back, goes on.
-    tick_by(&mut n, 1, 4_000);
-    tick_by(&mut n, 2, 4_000);
+    tick_after(&mut n, 1, 4_000);
+    tick_after(&mut n, 2, 4_000);
     settle_and_sync(&mut n, &mut disks);
     let got = n.h[2].recv();
     assert!(got.get(&back).is_none_or(|p| p.is_empty()));
     assert_eq!(connack(&got[&fresh]).reason_code, 0);
     // At the failure timeout both close the silent links: the owner answers from its copy.
-    tick_by(&mut n, 1, 1_200);
-    tick_by(&mut n, 2, 1_200);
+    tick_after(&mut n, 1, 1_200);
+    tick_after(&mut n, 2, 1_200);
     n.cut.clear();
     node0_dies(&mut n);
     assert_eq!(serve_copy_loads(&mut n.h[1], &disks[1]), 1);
@@ -2984,12 +2989,6 @@ fn sensor_connect() -> crate::codec::Connect {
     c
 }
 
-fn tick_by(n: &mut Nodes, i: usize, ms: u64) {
-    n.h[i].now += ms;
-    let now = n.h[i].now;
-    n.h[i].e.tick(now);
-}
-
 /// Node 0 dies: its links to nodes 1 and 2 drop.
 fn node0_dies(n: &mut Nodes) {
     n.cut_link(0, 1);
@@ -3034,7 +3033,7 @@ fn assert_no_will_copies(n: &Nodes) {
 /// Nodes 1 and 2 tick `ms` later, then everything settles.
 fn owners_tick(n: &mut Nodes, disks: &mut [Disk], ms: u64) {
     for i in [1, 2] {
-        tick_by(n, i, ms);
+        tick_after(n, i, ms);
     }
     settle_and_sync(n, disks);
 }
@@ -3056,7 +3055,7 @@ fn with_the_first_owner_down_too_the_next_one_publishes_the_will() {
     let (mut n, mut disks, _, watcher) = will_holder_on_node0();
     node0_dies(&mut n);
     n.cut_link(1, 2);
-    tick_by(&mut n, 2, 5_000);
+    tick_after(&mut n, 2, 5_000);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
     assert_eq!(n.h[2].e.will_stats().published, 1);
@@ -3201,7 +3200,7 @@ fn a_node_back_from_out_of_reach_closes_the_connection_whose_will_was_published(
     n.h[0].closed.clear();
     settle_and_sync(&mut n, &mut disks);
     assert_no_will_copies(&n);
-    tick_by(&mut n, 0, 6_000);
+    tick_after(&mut n, 0, 6_000);
     owners_tick(&mut n, &mut disks, 6_000);
     assert!(n.h[2].recv_one(watcher).is_empty());
     // A later connection of the sensor on node 0 is not touched by the old word.
@@ -3257,13 +3256,13 @@ fn an_owner_that_restarts_does_not_take_sessions_over_from_homes_whose_links_are
     n.cut_link(1, 0);
     n.cut_link(1, 2);
     restarts(&mut n, &mut disks, 1, 1_000, 555, &[]);
-    tick_by(&mut n, 1, 100);
+    tick_after(&mut n, 1, 100);
     let d = disks[1].clone();
     assert_eq!(serve_copy_loads(&mut n.h[1], &d), 0);
-    tick_by(&mut n, 1, 4_000);
+    tick_after(&mut n, 1, 4_000);
     assert_eq!(serve_copy_loads(&mut n.h[1], &d), 0);
     // Node 0 stays out of reach for the takeover time: then node 1 takes "lamp" over.
-    tick_by(&mut n, 1, 1_000);
+    tick_after(&mut n, 1, 1_000);
     assert_eq!(serve_copy_loads(&mut n.h[1], &d), 1);
     assert_eq!(n.h[1].e.replica_stats().takeovers, 1);
 }
@@ -3284,12 +3283,12 @@ fn an_owner_that_restarts_while_the_home_is_down_still_publishes_its_will() {
     assert_eq!(n.h[1].e.will_stats().held, 1);
     // Node 2 (not the first owner up) drops its copy at the takeover time; node 1
     // publishes the will once node 0 has been out of its reach that long too.
-    tick_by(&mut n, 2, 5_000);
+    tick_after(&mut n, 2, 5_000);
     settle_and_sync(&mut n, &mut disks);
     assert!(n.h[2].recv_one(watcher).is_empty());
     assert_eq!(n.h[2].e.will_stats().held, 0);
-    tick_by(&mut n, 1, 100);
-    tick_by(&mut n, 1, 5_000);
+    tick_after(&mut n, 1, 100);
+    tick_after(&mut n, 1, 5_000);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
     assert_eq!(n.h[1].e.will_stats().published, 1);
@@ -3304,7 +3303,7 @@ fn an_owner_and_the_home_both_restarted_publish_the_will_once_the_home_is_back()
     let (mut n, mut disks, _, watcher) = will_holder_on_node0();
     // Both node 0 and node 1 go down (a power cut) and come back within the takeover time.
     node0_dies_and_node1_restarts(&mut n, &mut disks);
-    tick_by(&mut n, 2, 1_000);
+    tick_after(&mut n, 2, 1_000);
     settle_and_sync(&mut n, &mut disks);
     restarts(&mut n, &mut disks, 0, 2_000, 778, &[1, 2]);
     assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
@@ -3363,14 +3362,14 @@ fn after_a_restart_of_the_whole_cluster_one_owner_publishes_the_will_whatever_or
     // Node 2 hears from node 0's new incarnation before its link to node 1 (the first
     // owner) is up: it waits rather than publish too.
     let watcher_back = power_cut(&mut n, &mut disks, &[1, 2], 2, &[2]);
-    tick_by(&mut n, 2, 1_000);
+    tick_after(&mut n, 2, 1_000);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(n.h[2].e.will_stats().published, 0);
     assert_eq!(n.h[2].e.will_stats().held, 1);
     // Node 1 hears from node 0, and publishes once it has node 2's routes too; node 2
     // drops its copy once node 1 is up.
     n.heal_link(0, 1);
-    tick_by(&mut n, 1, 100);
+    tick_after(&mut n, 1, 100);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(n.h[1].e.will_stats().published, 0);
     n.heal_link(1, 2);
@@ -3382,10 +3381,10 @@ fn after_a_restart_of_the_whole_cluster_one_owner_publishes_the_will_whatever_or
 fn with_the_first_owner_not_back_from_a_power_cut_the_next_one_publishes_after_the_takeover_time() {
     let (mut n, mut disks, _, _) = will_holder_on_node0();
     let watcher = power_cut(&mut n, &mut disks, &[2], 2, &[2]);
-    tick_by(&mut n, 2, 4_000);
+    tick_after(&mut n, 2, 4_000);
     settle_and_sync(&mut n, &mut disks);
     assert!(n.h[2].recv_one(watcher).is_empty());
-    tick_by(&mut n, 2, 1_000);
+    tick_after(&mut n, 2, 1_000);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
     assert_eq!(n.h[2].e.will_stats().published, 1);
@@ -3425,7 +3424,7 @@ fn assert_no_second_will_once_node0_is_back(
     watcher: crate::broker::ConnId,
 ) {
     node0_back_in_touch(n, disks);
-    tick_by(n, 0, 6_000);
+    tick_after(n, 0, 6_000);
     owners_tick(n, disks, 6_000);
     assert!(n.h[2].recv_one(watcher).is_empty());
     assert_no_will_copies(n);
@@ -3436,7 +3435,7 @@ fn node0_back_in_touch(n: &mut Nodes, disks: &mut [Disk]) {
     n.heal_link(0, 1);
     n.heal_link(0, 2);
     settle_and_sync(n, disks);
-    tick_by(n, 0, 100);
+    tick_after(n, 0, 100);
     owners_tick(n, disks, 100);
 }
 
@@ -3467,7 +3466,7 @@ fn a_connection_that_ends_during_a_short_cut_has_its_will_published_by_its_node_
     node0_back_in_touch(&mut n, &mut disks);
     assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
     assert_no_will_copies(&n);
-    tick_by(&mut n, 0, 6_000);
+    tick_after(&mut n, 0, 6_000);
     owners_tick(&mut n, &mut disks, 6_000);
     assert!(n.h[2].recv_one(watcher).is_empty());
 }
@@ -3476,7 +3475,7 @@ fn a_connection_that_ends_during_a_short_cut_has_its_will_published_by_its_node_
 fn a_frozen_node_whose_sockets_close_as_it_resumes_does_not_publish_wills_published_meanwhile() {
     let (mut n, mut disks, sensor, watcher) = will_holder_on_node0();
     // (It ticks every 100 ms until then.)
-    tick_by(&mut n, 0, 100);
+    tick_after(&mut n, 0, 100);
     // Node 0 is frozen (SIGSTOP): its peers find it down at the takeover time and close
     // its links, and node 1 publishes the will.
     n.cut.push((0, 1));
@@ -3517,7 +3516,7 @@ fn a_will_an_owner_publishes_after_the_home_is_back_still_closes_the_old_connect
     n.heal_link(1, 2);
     settle_and_sync(&mut n, &mut disks);
     for i in 0..3 {
-        tick_by(&mut n, i, 6_000);
+        tick_after(&mut n, i, 6_000);
     }
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
@@ -3541,7 +3540,7 @@ fn an_owner_restarted_before_the_home_is_back_still_tells_it_that_the_will_went_
     n.h[0].recv();
     assert!(n.h[0].closed.contains(&sensor));
     assert!(!disks[1].keys().any(|k| k[0] == b'p'));
-    tick_by(&mut n, 0, 6_000);
+    tick_after(&mut n, 0, 6_000);
     owners_tick(&mut n, &mut disks, 6_000);
     assert!(n.h[2].recv_one(watcher).is_empty());
 }
@@ -3621,10 +3620,10 @@ fn a_claim_whose_primary_is_silent_is_stamped_by_the_next_owner_after_a_second()
     n.cut.push((0, 2));
     let back = n.h[2].open_connect(persistent_v5("dev"));
     settle_and_sync(&mut n, &mut disks);
-    tick_by(&mut n, 2, 999);
+    tick_after(&mut n, 2, 999);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(n.h[1].e.registry_stats().0.routed, 0);
-    tick_by(&mut n, 2, 1);
+    tick_after(&mut n, 2, 1);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(n.h[1].e.registry_stats().0.routed, 1);
     // Node 1 hands the session over; the claim still waits for node 0 (an owner: its copy)
@@ -3822,4 +3821,33 @@ fn a_node_cut_off_from_every_node_that_may_hold_a_session_refuses_its_client_for
     let got = n.h[0].recv_one(c);
     assert_eq!(connack(&got).reason_code, 0, "{got:?}");
     assert!(!connack(&got).session_present);
+}
+
+#[test]
+fn a_node_resumed_after_a_pause_refuses_connects_until_the_map_changes() {
+    // Found by the fault-injection run: a node stopped (SIGSTOP) past the failure timeout
+    // read, on resuming, a CONNECT queued before its pause (its client long gone) and took
+    // the client's live session over from node 1.
+    let (mut n, mut disks) = copying_nodes(3, &[1, 2], 5_000);
+    let dev = connect_on(&mut n, 1, persistent_v5("dev"));
+    n.h[1].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    settle_and_sync(&mut n, &mut disks);
+    n.h[0].now += 6_000;
+    let stale = n.h[0].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv_one(stale);
+    assert_eq!(connack(&got).reason_code, 0x88, "{got:?}");
+    n.h[1].recv();
+    assert!(!n.h[1].closed.contains(&dev));
+    let events = n.h[0].e.take_events();
+    assert!(
+        events.iter().any(|e| e.0 == "resumed_after_pause"),
+        "{events:?}"
+    );
+    // The cluster's membership changed meanwhile (it was removed, and is added again):
+    // in touch, it serves again.
+    set_map(&mut n, 0, &[1, 2], 2);
+    let moved = n.h[0].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    assert!(connack(&n.h[0].recv_one(moved)).session_present);
 }

@@ -106,6 +106,10 @@ pub struct Engine {
     pending_pump: Vec<SessionId>,
     /// The latest time the caller gave; drain has no clock of its own.
     last_now: u64,
+    /// After a pause of this process (`observe_time`), CONNECTs are refused until then, or
+    /// until the map changes from `out_of_touch_map`.
+    out_of_touch_until: u64,
+    out_of_touch_map: u64,
     events: Vec<Event>,
     stats: Stats,
     assigned_ids: u64,
@@ -160,6 +164,8 @@ impl Engine {
             dirty: Vec::new(),
             pending_pump: Vec::new(),
             last_now: 0,
+            out_of_touch_until: 0,
+            out_of_touch_map: 0,
             events: Vec::new(),
             stats: Stats::default(),
             assigned_ids: 0,
@@ -195,7 +201,7 @@ impl Engine {
 
     /// A new network connection.
     pub fn open(&mut self, now: u64) -> ConnId {
-        self.last_now = now;
+        self.observe_time(now);
         let mut conn = Conn::new(now);
         self.serials += 1;
         conn.serial = self.serials;
@@ -215,7 +221,7 @@ impl Engine {
     /// makes the connection wait. Returns FEED_HOLD (stop reading `id` until `take_resumed`
     /// lists it) and FEED_PUBLISHER (it has sent a PUBLISH) bits.
     pub fn feed(&mut self, id: ConnId, data: &[u8], now: u64) -> u8 {
-        self.last_now = now;
+        self.observe_time(now);
         let Some(conn) = self.conn_mut(id) else {
             return 0;
         };

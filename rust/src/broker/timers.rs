@@ -35,7 +35,7 @@ impl Engine {
     }
 
     pub fn tick(&mut self, now: u64) {
-        self.last_now = now;
+        self.observe_time(now);
         self.claims_tick(now);
         self.registry_tick(now);
         self.replicas_tick(now);
