@@ -111,8 +111,8 @@ struct Claim {
     /// the records), installed when every answer is in: owners' copies can lag each other
     /// by what was acknowledged with fewer of them.
     best_copy: Option<CopyAnswer>,
-    /// Nobody could be asked, though nodes that may hold the session are members that went
-    /// out of reach lately (`may_hold_out_of_reach`): unless a session came, the CONNECT is refused.
+    /// Nodes that may hold the session went out of reach lately and could not be asked
+    /// (`may_hold_out_of_reach`): unless a session came, the CONNECT is refused.
     out_of_reach: bool,
 }
 
@@ -351,7 +351,7 @@ impl Engine {
         for &peer in &peers {
             self.cluster.queue_claim(peer, client_id, stamp, discard);
         }
-        let out_of_reach = !discard && peers.is_empty() && self.may_hold_out_of_reach(ask, now);
+        let out_of_reach = !discard && self.may_hold_out_of_reach(ask, now);
         if !discard && self.claim_own_copy(client_id, None) {
             peers.push(THIS_NODE);
         }
@@ -359,7 +359,7 @@ impl Engine {
         let claim = self.claims.pending.get_mut(client_id).expect("checked");
         claim.stamp = stamp;
         claim.route = None;
-        claim.out_of_reach = out_of_reach && peers.is_empty();
+        claim.out_of_reach = out_of_reach;
         claim.waiting = peers;
         claim.deadline = now + wait;
         claim.waiting.is_empty()

@@ -3851,3 +3851,24 @@ fn a_node_resumed_after_a_pause_refuses_connects_until_the_map_changes() {
     settle_and_sync(&mut n, &mut disks);
     assert!(connack(&n.h[0].recv_one(moved)).session_present);
 }
+
+#[test]
+fn a_claim_that_reaches_only_nodes_without_the_session_is_refused_while_its_holders_are_out_of_reach(
+) {
+    // Node 0 homes "dev", node 3 holds its copy; both are cut off from node 1, which still
+    // reaches node 2 (it holds nothing of dev). Node 1 must not start dev afresh.
+    let (mut n, mut disks) = copying_nodes(4, &[0, 3], 0);
+    offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
+    settle_and_sync(&mut n, &mut disks);
+    n.cut_link(1, 0);
+    n.cut_link(1, 3);
+    let c = n.h[1].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[1].recv_one(c);
+    assert_eq!(connack(&got).reason_code, 0x88, "{got:?}");
+    assert_eq!(n.h[1].e.session_count(), 0);
+    // Through a load balancer the client lands on node 2, which reaches the home.
+    let moved = n.h[2].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    assert!(connack(&n.h[2].recv_one(moved)).session_present);
+}
