@@ -1017,6 +1017,12 @@ impl Engine {
                 // connection of the client elsewhere still ends when its node reads it.
                 self.route_claim(&id, true, now);
             }
+            if let Some(claim) = self.claims.pending.get_mut(&id) {
+                // A peer that did not answer may hold the session (a stalled home, or one
+                // cut off by a split whose link is not found down yet).
+                let unanswered = claim.waiting.iter().any(|&p| p != THIS_NODE);
+                claim.out_of_reach |= unanswered && !claim.discard;
+            }
             self.finish_claim(&id, true, now);
         }
         // An owner up but silent (stalled) does not stamp a claim: the next one does.

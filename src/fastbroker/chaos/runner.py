@@ -30,7 +30,10 @@ TOPIC = "chaos/t"
 # the subscribers); the final reads compare them across nodes.
 RETAINED_TOPIC = "chaos/r"
 SESSION_EXPIRY = 600
-KEEPALIVE = 2
+# paho gives up a CONNECT with no CONNACK after one keep alive: longer than a claim's
+# longest wait (the failure timeout and 2 s). HAProxy closes the connections of a node it
+# marks down, so a dead or paused node's clients find out in about a second anyway.
+KEEPALIVE = 10
 # As long as clients commonly wait for a CONNACK (paho's default is 5 s, others 10 to 30 s).
 CONNECT_TIMEOUT = 10.0
 IN_FLIGHT = 10
