@@ -632,7 +632,7 @@ impl Engine {
                         Arc::from(client_id),
                         format!(
                             "a session handed over arrived after a newer one: \
-                             {merged} of its messages added to it"
+                             {merged} of its messages passed to it (once each)"
                         ),
                     );
                 }
@@ -666,8 +666,9 @@ impl Engine {
     }
 
     /// Delivers to the session of `client_id` here what an older version of it (`records`,
-    /// handed over late) held for its client and it has not seen (`seen_since_move`: for
-    /// `RECENT_MS` after it was installed, and its own queue). Returns how many.
+    /// handed over late) held for its client, unless it has it queued or in flight, or it
+    /// reached it since it was installed (`deliver`: for `RECENT_MS`). Returns how many
+    /// were passed to `deliver`.
     fn merge_handed_over(
         &mut self,
         client_id: &str,
@@ -688,10 +689,7 @@ impl Engine {
             if known || (d.msg.id == 0 && d.qos == QoS::ExactlyOnce) {
                 continue;
             }
-            if d.msg.id != 0 && self.seen_since_move(sid, d.msg.id, now) {
-                continue;
-            }
-            // Seen now (above): `deliver` would take it for a repeat.
+            // `deliver` skips what reached the session since it was installed.
             let Delivery {
                 msg,
                 qos,
@@ -699,7 +697,7 @@ impl Engine {
                 sub_ids,
                 ..
             } = d;
-            if self.deliver_unchecked(sid, &msg, qos, retain, sub_ids, now) {
+            if self.deliver(sid, &msg, qos, retain, sub_ids, now) {
                 merged += 1;
             }
         }

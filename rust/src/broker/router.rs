@@ -497,19 +497,6 @@ impl Engine {
             // It reached the session along another path already.
             return true;
         }
-        self.deliver_unchecked(sid, msg, qos, retain, sub_ids, now)
-    }
-
-    /// `deliver` of a message already known not to have reached the session.
-    pub(super) fn deliver_unchecked(
-        &mut self,
-        sid: SessionId,
-        msg: &Arc<Message>,
-        qos: QoS,
-        retain: bool,
-        sub_ids: Vec<u32>,
-        now: u64,
-    ) -> bool {
         let window = self.window(sid);
         let Some(session) = self.session(sid) else {
             return false;
