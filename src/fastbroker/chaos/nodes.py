@@ -186,9 +186,6 @@ class Nodes:
             node.start()
         self.wait_converged(timeout)
 
-    def node(self, number: int) -> NodeProcess:
-        return self.nodes[number - 1]
-
     def converged(self) -> bool:
         """Every node answers, with all nodes as members, the same map, and every data
         link up."""
