@@ -186,6 +186,9 @@ class Engine:
     def kick(self, client_id: str, cluster: bool, now_ms: int) -> bool:
         """Ends the client's connection (MQTT 5: DISCONNECT 0x98) and session here and, with
         ``cluster``, on every reachable peer of protocol 3; True if this node held it."""
+    def session_state(self, client_id: str) -> str | None:
+        """ "connected" or "disconnected" if this node holds a session of the client (one
+        that moved to another node and only relays there does not count), else None."""
     def has_cluster_output(self) -> bool:
         """Whether ``drain_cluster`` has anything to hand out."""
     def drain_cluster(self) -> list[tuple[int, bytes]]:
@@ -216,7 +219,7 @@ class Engine:
         """The records read for ``copy_loads`` (None: missing); returns problems."""
     def replica_stats(self) -> dict[str, int]:
         """Session copies: copies, ops_out, ops_in, degraded_acks, stale_refused, fenced,
-        claims_served, takeovers."""
+        claims_served, takeovers, streamed, stream_backlog, taken_elsewhere."""
     def cluster_stats(self) -> list[dict[str, Any]]:
         """Per peer: node_id, up, frames/messages/bytes in and out, resent, dropped,
         route_rows, unacked_bytes, retained_synced (its retained set has arrived since its

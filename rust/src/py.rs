@@ -349,6 +349,13 @@ impl PyEngine {
         self.inner.kick(client_id, cluster, now_ms)
     }
 
+    /// "connected" or "disconnected" if this node holds a session of `client_id`, else None.
+    fn session_state(&self, client_id: &str) -> Option<&'static str> {
+        self.inner
+            .session_held(client_id)
+            .map(|c| if c { "connected" } else { "disconnected" })
+    }
+
     fn has_cluster_output(&self) -> bool {
         self.inner.has_cluster_output()
     }
@@ -445,6 +452,7 @@ impl PyEngine {
         d.set_item("takeovers", s.takeovers)?;
         d.set_item("streamed", s.streamed)?;
         d.set_item("stream_backlog", s.stream_backlog)?;
+        d.set_item("taken_elsewhere", s.taken_elsewhere)?;
         Ok(d)
     }
 

@@ -504,6 +504,12 @@ class BrokerCollector:
                 "streamed",
                 "Sessions of this node sent in full to an owner their partition gained",
             ),
+            (
+                "cluster_messages_taken_elsewhere",
+                "taken_elsewhere",
+                "Messages not delivered to a session here because its version on the sending "
+                "node took them while the two were cut off (the versions merge after)",
+            ),
         ):
             yield counter(name, doc, copies[key])
         yield gauge(

@@ -59,6 +59,9 @@ pub(super) const LOAD_BUDGET: usize = 8 << 20;
 /// A batch is closed once its items reach this size, so frames stay small enough to
 /// interleave with the control plane's and to decode in one go.
 const SEAL_ABOVE: usize = 1 << 20;
+/// How long batches written to a peer may go unacknowledged before it counts as lagging
+/// (a split or a stall begins; acknowledgements on a link that is up take milliseconds).
+const LAGGING_MS: u64 = 300;
 
 /// Counters of one peer's data-plane traffic, for metrics and `cluster status`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -152,8 +155,10 @@ struct Peer {
     unacked_bytes: usize,
     waiting_qos0_bytes: usize,
     next_seq: u64,
-    /// The last of our reliable batches the peer has acknowledged.
+    /// The last of our reliable batches the peer has acknowledged, and when an
+    /// acknowledgement last came (or the link came up).
     acked_seq: u64,
+    acked_at: u64,
     /// The peer's incarnation and the last of its reliable batches applied here.
     recv_epoch: u64,
     recv_seq: u64,
@@ -199,6 +204,7 @@ impl Peer {
             waiting_qos0_bytes: 0,
             next_seq: 1,
             acked_seq: 0,
+            acked_at: 0,
             recv_epoch: 0,
             recv_seq: 0,
             recv_held: VecDeque::new(),
@@ -215,6 +221,15 @@ impl Peer {
 
     fn can_send(&self) -> bool {
         self.up && self.writable
+    }
+
+    /// Whether the peer may be cut off from this node (its link down, or batches written
+    /// to it unacknowledged for `LAGGING_MS`): it may be making versions of our sessions
+    /// meanwhile, so messages for it list the sessions here that took them (protocol 11).
+    fn lagging(&self, now: u64) -> bool {
+        self.protocol >= 11
+            && (!self.up
+                || (!self.out.is_empty() && now.saturating_sub(self.acked_at) >= LAGGING_MS))
     }
 
     /// The last of the peer's batches applied here whose copies are all acknowledged (a
@@ -401,6 +416,10 @@ struct HeldAck {
 struct Plan {
     /// Peers with a matching plain row (every peer for a retained message).
     plain: Vec<PeerId>,
+    /// One of the peers it goes to is lagging: `taken` lists the client ids of the sessions
+    /// here that took it (local delivery fills it).
+    lagging: bool,
+    taken: Vec<Arc<str>>,
     /// Shared subscriptions matched on other nodes: the key, its peers, and whether local
     /// delivery has decided it already.
     groups: Vec<(Box<str>, Vec<PeerId>, bool)>,
@@ -455,6 +474,20 @@ pub(super) struct Cluster {
 }
 
 impl Cluster {
+    /// Whether the message being routed goes where a peer lags (`Plan::lagging`).
+    pub(super) fn lagging_plan(&self) -> bool {
+        self.plan.lagging
+    }
+
+    /// A session here with a copy elsewhere (client `client`) took the message being
+    /// routed: listed for lagging peers, `TAKEN_MAX` at most (past that, a version made
+    /// on one of them may get it twice).
+    pub(super) fn note_taken(&mut self, client: Arc<str>) {
+        if self.plan.taken.len() < batch::TAKEN_MAX {
+            self.plan.taken.push(client);
+        }
+    }
+
     /// Whether the message just routed was queued for a peer whose link is down (and will be
     /// stored with the next store write).
     pub(super) fn to_down_peer(&self) -> bool {
@@ -900,6 +933,7 @@ impl Cluster {
                 stamp: None,
                 also: Vec::new(),
                 id: if with_id { msg.id } else { 0 },
+                taken: Vec::new(),
             },
             &mut message,
         );
@@ -1208,6 +1242,7 @@ impl Engine {
         peer.stats.retained_synced = false;
         if up {
             peer.seen_up = true;
+            peer.acked_at = now;
             // Told again on the new link.
             peer.safe_sent = 0;
             for o in &mut peer.out {
@@ -1631,6 +1666,7 @@ impl Engine {
             let newer = h.ack_epoch == own_epoch && h.ack_seq > peer.acked_seq;
             if newer {
                 peer.acked_seq = h.ack_seq;
+                peer.acked_at = now;
             }
             let waiting = !peer.waiters.is_empty();
             self.cluster.has_output |= unblocked;
@@ -1752,6 +1788,7 @@ impl Engine {
                         stamp: m.stamp,
                         from: id,
                         also: &m.also,
+                        taken: &m.taken,
                     };
                     self.route_local(Arc::new(msg), now, scope);
                 }
@@ -1858,6 +1895,8 @@ impl Engine {
         c.plan.plain.clear();
         c.plan.groups.clear();
         c.plan.assigned.clear();
+        c.plan.lagging = false;
+        c.plan.taken.clear();
         if c.epoch == 0
             || c.peers.is_empty()
             || msg.origin == REMOTE_ORIGIN
@@ -1883,6 +1922,10 @@ impl Engine {
             c.plan.plain.dedup();
         }
         c.scratch_peers = matched;
+        let now = self.last_now;
+        let c = &mut self.cluster;
+        // Any peer a message may go to (shared groups' included).
+        c.plan.lagging = c.peers.iter().flatten().any(|p| p.lagging(now));
         !c.plan.plain.is_empty() || !c.plan.groups.is_empty()
     }
 
@@ -1910,7 +1953,7 @@ impl Engine {
         let mut item = std::mem::take(&mut c.scratch_item);
         // Most messages go to no shared group: one encoding then serves every peer with the
         // same plain flag.
-        let mut cached: Option<(bool, bool)> = None;
+        let mut cached: Option<(bool, bool, bool)> = None;
         // Sent plain to several nodes: each learns the others (a relay skips them). Kept
         // between calls: no allocation per message.
         let mut also = std::mem::take(&mut c.scratch_also);
@@ -1936,13 +1979,21 @@ impl Engine {
                 .collect();
             // Message ids are for peers of protocol 5 (older ones refuse the flag).
             let with_id = msg.id != 0 && c.peer_ref(id).is_some_and(|p| p.protocol >= 5);
-            if !groups.is_empty() || cached != Some((plain, with_id)) {
-                cached = groups.is_empty().then_some((plain, with_id));
+            let taken = !c.plan.taken.is_empty() && c.peer_ref(id).is_some_and(|p| p.lagging(now));
+            if !groups.is_empty() || cached != Some((plain, with_id, taken)) {
+                cached = groups.is_empty().then_some((plain, with_id, taken));
                 item.clear();
                 let stamp = msg.retain.then(|| c.retained.routing.unwrap_or_default());
                 let list = if plain { &mut also } else { &mut none };
                 let mid = if with_id { msg.id } else { 0 };
-                encode_routed(msg, &props, now, plain, groups, stamp, list, mid, &mut item);
+                let taken: Vec<&str> = if taken {
+                    c.plan.taken.iter().map(|t| &**t).collect()
+                } else {
+                    Vec::new()
+                };
+                encode_routed(
+                    msg, &props, now, plain, groups, stamp, list, mid, taken, &mut item,
+                );
             }
             let Some(peer) = c.peers.get_mut(usize::from(id)).and_then(Option::as_mut) else {
                 continue;
@@ -2138,6 +2189,7 @@ pub(super) fn encode_routed(
     stamp: Option<Stamp>,
     also: &mut Vec<u64>,
     id: u128,
+    taken: Vec<&str>,
     out: &mut Vec<u8>,
 ) {
     let wire = WireMessage {
@@ -2153,6 +2205,7 @@ pub(super) fn encode_routed(
         // Borrowed for the encoding and given back: the caller's buffer is reused.
         also: std::mem::take(also),
         id,
+        taken,
     };
     batch::encode_message(&wire, out);
     *also = wire.also;

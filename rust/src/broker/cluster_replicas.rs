@@ -169,6 +169,9 @@ pub struct ReplicaStats {
     pub streamed: u64,
     /// Sessions of this node whose copies are still moving to new owners.
     pub stream_backlog: u64,
+    /// Messages from a peer not delivered to a session here because that peer's version
+    /// of it took them while the two were cut off (`WireMessage::taken`).
+    pub taken_elsewhere: u64,
 }
 
 #[derive(Default)]
@@ -200,6 +203,9 @@ pub(super) struct Replicas {
     /// By home (its key): how far it applied each node's batches, as it told this node
     /// with the copies (in memory; none after a restart).
     marks: HashMap<u64, Vec<Mark>>,
+    /// The client and map version `copy_refused` was last logged for: once for a burst of
+    /// one session's operations (a rebalance sends dozens at once).
+    refused_logged: Option<(Arc<str>, u64)>,
     pub(super) stats: ReplicaStats,
 }
 
@@ -492,6 +498,11 @@ impl Engine {
             if map == self.replicas.map_version() {
                 return;
             }
+            let logged = Some((client.clone(), map));
+            if self.replicas.refused_logged == logged {
+                return;
+            }
+            self.replicas.refused_logged = logged;
             self.event(
                 "copy_refused",
                 client,
@@ -750,9 +761,13 @@ impl Engine {
     fn give_up(&mut self, sid: SessionId, to: PeerId, newer: Stamp, now: u64) {
         // Past that, `to` no longer tells them from what it delivered already (twice is
         // worse than the rare message only this node held, and what other nodes kept for
-        // this one while it was away went to `to` when it asked them: `cluster_kept`).
+        // this one while it was away went to `to` when it asked them: `cluster_kept`) --
+        // but for those taken while `to` lagged (`WireMessage::taken`): only this version
+        // has them, whatever its age.
         let age = self.wall(now).saturating_sub(newer.clock >> 16);
-        if age >= OWN_RELAY_MS {
+        let taken_from = self.session(sid).map_or(0, |s| s.taken_from_seq);
+        let old = age >= OWN_RELAY_MS;
+        if old && taken_from == 0 {
             if let Some(client) = self.session(sid).map(|s| s.client_id.clone()) {
                 self.replicas.installed.remove(&client);
             }
@@ -768,14 +783,16 @@ impl Engine {
         // Its own messages, in flight then queued: one applied here just before this node
         // died may be missing from the copy the newer version was made from (its copy
         // operation was lost with the node, and the publisher's acknowledgement counted the
-        // batch kept for this node). Those with an id only: the newer home takes each id once.
+        // batch kept for this node). Those with an id only: the newer home takes each id
+        // once. QoS 2 ones past PUBREC too: a client that delivers a QoS 2 message on PUBREL
+        // (paho, libmosquitto) would never get the PUBREL of this version.
         let own: Vec<(Arc<Message>, QoS, bool, Vec<u32>)> = self
             .session(sid)
             .map(|s| {
                 let flying = s.inflight.iter().map(|f| &f.delivery);
                 flying
                     .chain(s.queue.iter())
-                    .filter(|d| d.msg.id != 0)
+                    .filter(|d| d.msg.id != 0 && (!old || (d.seq != 0 && d.seq >= taken_from)))
                     .map(|d| (d.msg.clone(), d.qos, d.retain, d.sub_ids.clone()))
                     .collect()
             })

@@ -179,6 +179,7 @@ impl Engine {
                 stamp,
                 &mut Vec::new(),
                 0,
+                Vec::new(),
                 &mut item,
             );
             items.push(item.clone());
@@ -198,6 +199,7 @@ impl Engine {
                     stamp: Some(stamp),
                     also: Vec::new(),
                     id: 0,
+                    taken: Vec::new(),
                 },
                 &mut item,
             );

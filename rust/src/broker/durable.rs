@@ -12,7 +12,7 @@
 //! flight, inbound QoS 2 packet ids awaiting PUBREL, and retained messages. QoS 0 messages
 //! are not stored, nor is anything of a session that ends with its connection.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -510,43 +510,30 @@ impl Engine {
     }
 
     /// The QoS 1/2 messages among a session's records (as `session_records` makes them) that
-    /// its client may not have yet, in order: those queued, and those in flight but for QoS
-    /// 2 ones past PUBREC (the client has them). Records that do not open are skipped.
+    /// its client may not have yet, in order: those queued and in flight, QoS 2 ones past
+    /// PUBREC included (a client that delivers on PUBREL, as paho and libmosquitto do, would
+    /// never get the PUBREL of the version they were in). Records that do not open are
+    /// skipped.
     pub(super) fn undelivered_in_records(
         &self,
         recs: &[(&[u8], &[u8])],
         now: u64,
     ) -> Vec<Delivery> {
         let mut messages = BTreeMap::new();
-        let mut received = HashSet::new();
         for &(key, value) in recs {
             let Ok(body) = envelope::open(key, value) else {
                 continue;
             };
-            match records::parse_key(key) {
-                Some(Key::Message(_, seq)) => {
-                    if let Ok(m) = StoredMessage::decode(&body) {
-                        messages.insert(seq, m);
-                    }
+            if let Some(Key::Message(_, seq)) = records::parse_key(key) {
+                if let Ok(m) = StoredMessage::decode(&body) {
+                    messages.insert(seq, m);
                 }
-                Some(Key::Flight(_, seq)) => {
-                    if let Ok((_, code)) = records::decode_flight(&body) {
-                        if awaiting_of(code) == AwaitingAck::PubComp {
-                            received.insert(seq);
-                        }
-                    }
-                }
-                _ => {}
             }
         }
-        let mut out = Vec::new();
-        for (seq, m) in messages {
-            if received.contains(&seq) {
-                continue;
-            }
-            out.push(self.stored_delivery(m, 0, now));
-        }
-        out
+        messages
+            .into_values()
+            .map(|m| self.stored_delivery(m, 0, now))
+            .collect()
     }
 
     /// A stored message record as a delivery numbered `seq`.

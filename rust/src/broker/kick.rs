@@ -15,6 +15,14 @@ impl Engine {
         self.kick_local(client_id, now)
     }
 
+    /// Whether this node holds a session of `client_id` (`Some(connected)`): one that moved
+    /// to another node and only relays there does not count. For operators and the fault
+    /// suite's final reads (one session per client id across the cluster).
+    pub fn session_held(&self, client_id: &str) -> Option<bool> {
+        let &sid = self.by_client.get(client_id)?;
+        self.session(sid).map(|s| s.conn.is_some())
+    }
+
     /// The will goes as for any end the client did not ask for (MQTT-3.1.2-8).
     pub(super) fn kick_local(&mut self, client_id: &str, now: u64) -> bool {
         let Some(&sid) = self.by_client.get(client_id) else {

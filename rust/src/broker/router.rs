@@ -57,6 +57,8 @@ pub(super) enum Scope<'a> {
         /// The peer it came from, and the keys of the other nodes it went to plain.
         from: PeerId,
         also: &'a [u64],
+        /// Client ids whose sessions on that peer took it (`WireMessage::taken`).
+        taken: &'a [&'a str],
     },
 }
 
@@ -410,9 +412,37 @@ impl Engine {
             scratch.targets.push((sid, opts, sub_ids_of(&opts)));
         }
         let mut count = 0;
+        let taken = match scope {
+            Scope::Forwarded { taken, .. } => taken,
+            Scope::Origin => &[],
+        };
+        let list_taken = matches!(scope, Scope::Origin) && self.cluster.lagging_plan();
         for (i, (sid, opts, ids)) in scratch.targets.drain(..).enumerate() {
             let qos = msg.qos.min(opts.qos);
             let retain = msg.retain && opts.retain_as_published;
+            if !taken.is_empty() || list_taken {
+                if let Some(s) = self.session(sid) {
+                    if taken.contains(&&*s.client_id) {
+                        // A version of this session on the sender took it while the two
+                        // nodes were cut off: it lives on there or merges into this one
+                        // (or the one this relays to) with what its client did not get
+                        // (cluster_replicas::give_up).
+                        self.replicas.stats.taken_elsewhere += 1;
+                        continue;
+                    }
+                    let listed = list_taken
+                        && qos != QoS::AtMostOnce
+                        && s.stamp.is_some()
+                        && !self.claims.relaying(sid);
+                    if listed {
+                        let client = s.client_id.clone();
+                        self.cluster.note_taken(client);
+                        if let Some(s) = self.session_mut(sid).filter(|s| s.taken_from_seq == 0) {
+                            s.taken_from_seq = s.next_seq + 1;
+                        }
+                    }
+                }
+            }
             if self.claims.relaying(sid) {
                 // A session that moved to another node a moment ago (cluster_sessions).
                 if self.relay(sid, &msg, qos, retain, ids, i < plain_targets, scope, now) {

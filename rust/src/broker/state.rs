@@ -269,6 +269,10 @@ pub struct Session {
     /// For a while after it moved here, the ids of the messages that reached it: the same
     /// message can come along several paths then (broker::cluster_sessions).
     pub recent: Option<Box<RecentIds>>,
+    /// The store number from which on messages here were listed as taken to a lagging peer
+    /// (0: none): those only this version has, handed over whatever its age if a newer
+    /// version made meanwhile elsewhere wins (broker::cluster_replicas::give_up).
+    pub taken_from_seq: u64,
 }
 
 /// Message ids a session got since it moved, until `until` (monotonic ms).
@@ -309,6 +313,7 @@ impl Session {
             intercepting: Vec::new(),
             stamp: None,
             recent: None,
+            taken_from_seq: 0,
         }
     }
 

@@ -95,6 +95,10 @@ const MSG_STAMPED: u8 = 0b1_0000;
 const MSG_ALSO: u8 = 0b10_0000;
 /// Protocol 5: the message's cluster-wide id follows.
 const MSG_ID: u8 = 0b100_0000;
+/// Protocol 11: the client ids of the sender's sessions that took the message follow.
+const MSG_TAKEN: u8 = 0b1000_0000;
+/// Client ids a message lists as taken on its sender at most.
+pub const TAKEN_MAX: usize = 64;
 
 /// The version of a retained write: a hybrid logical clock (wall milliseconds << 16, plus
 /// a counter) and the writing node's key, compared in that order. Every node applies a
@@ -139,6 +143,11 @@ pub struct WireMessage<'a> {
     pub also: Vec<u64>,
     /// The message's cluster-wide id (0: none; sent only to peers of protocol 5).
     pub id: u128,
+    /// Client ids of persistent sessions on the sender that took the message (protocol
+    /// 11; listed for a peer out of reach, at most `TAKEN_MAX`): a version of one of them on
+    /// the receiver, made meanwhile, does not deliver it again (the sender's version hands
+    /// over what its client did not get when the two merge).
+    pub taken: Vec<&'a str>,
 }
 
 /// How far a home applied one node's batches: that node's key, incarnation, batch number.
@@ -713,6 +722,9 @@ pub fn encode_message(m: &WireMessage<'_>, out: &mut Vec<u8>) {
     if m.id != 0 {
         flags |= MSG_ID;
     }
+    if !m.taken.is_empty() {
+        flags |= MSG_TAKEN;
+    }
     w.u8(ITEM_MESSAGE).u8(flags);
     if let Some(s) = m.stamp {
         w.u64(s.clock).u64(s.node);
@@ -733,6 +745,12 @@ pub fn encode_message(m: &WireMessage<'_>, out: &mut Vec<u8>) {
     }
     if m.id != 0 {
         w.u64((m.id >> 64) as u64).u64(m.id as u64);
+    }
+    if !m.taken.is_empty() {
+        w.u32(m.taken.len() as u32);
+        for c in &m.taken {
+            w.bytes(c.as_bytes());
+        }
     }
     *out = w.buf;
 }
@@ -1138,7 +1156,7 @@ fn read_stamp(r: &mut Reader<'_>) -> Result<Stamp, BatchError> {
 fn read_message<'a>(r: &mut Reader<'a>) -> Result<WireMessage<'a>, BatchError> {
     let flags = r.u8()?;
     let stamped = flags & MSG_STAMPED != 0;
-    if flags & !0b111_1111 != 0 || flags & 0b11 == 3 || stamped != (flags & MSG_RETAIN != 0) {
+    if flags & 0b11 == 3 || stamped != (flags & MSG_RETAIN != 0) {
         return Err(BatchError(format!("bad message flags 0x{flags:02x}")));
     }
     let stamp = if stamped {
@@ -1174,6 +1192,16 @@ fn read_message<'a>(r: &mut Reader<'a>) -> Result<WireMessage<'a>, BatchError> {
     } else {
         0
     };
+    let mut taken = Vec::new();
+    if flags & MSG_TAKEN != 0 {
+        let n = r.u32()? as usize;
+        if n == 0 || n > TAKEN_MAX {
+            return Err(BatchError(format!("{n} client ids taken")));
+        }
+        for _ in 0..n {
+            taken.push(client_id(r.bytes()?)?);
+        }
+    }
     Ok(WireMessage {
         qos: flags & 0b11,
         retain: flags & MSG_RETAIN != 0,
@@ -1186,6 +1214,7 @@ fn read_message<'a>(r: &mut Reader<'a>) -> Result<WireMessage<'a>, BatchError> {
         groups,
         also,
         id,
+        taken,
     })
 }
 
@@ -1223,6 +1252,7 @@ mod tests {
             }),
             also: vec![11, 12],
             id: (3u128 << 64) | 77,
+            taken: vec!["dev", "lamp"],
         }
     }
 
@@ -1612,6 +1642,7 @@ mod tests {
                 stamp: retain.then_some(Stamp { clock, node: 7 }),
                 also: if shared { vec![] } else { vec![clock, 3] },
                 id: if plain { u128::from(seq) << 64 | u128::from(clock) | 1 } else { 0 },
+                taken: if shared { vec!["dev", "ü"] } else { vec![] },
             };
             let mut item = Vec::new();
             encode_message(&m, &mut item);

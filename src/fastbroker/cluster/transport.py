@@ -75,9 +75,11 @@ MAGIC = "fastbroker-cluster"
 # (WillCopy, WillGone), which publish it if that node dies, and tell it if it was only out of
 # reach (WillFired). Version 10: the owners of a client id's partition know which nodes hold
 # its sessions (Homes, Home), and a claim goes through the first owner in reach, which stamps
-# it and names the nodes to claim from (ClaimRoute, ClaimRouted).
+# it and names the nodes to claim from (ClaimRoute, ClaimRouted). Version 11: a message
+# for a peer that may be cut off lists the persistent sessions here that took it (a flag
+# on Message), so a version of one of them made there meanwhile does not deliver it again.
 PROTOCOL_MIN = 2
-PROTOCOL_MAX = 10
+PROTOCOL_MAX = 11
 
 CONTROL = "control"
 DATA_CHANNEL = "data"
