@@ -248,6 +248,12 @@ def test_two_sessions_of_one_client_id_after_the_heal():
     assert kinds(run) == {"sessions": 1}
 
 
+def test_a_persistent_session_found_on_no_node_after_the_heal():
+    run = clean_run()
+    run.op("final", "info", "sessions", client="s2", nodes=[])
+    assert kinds(run) == {"sessions": 1}
+
+
 def test_a_will_that_reaches_a_client_twice_as_new():
     run = clean_run()
     run.connect("ws")

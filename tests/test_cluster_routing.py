@@ -526,6 +526,10 @@ def test_a_client_kicked_through_one_node_loses_its_connection_and_session_on_an
 
     # Every node's sessions, as its pings report them.
     wait_for(lambda: sessions_of("n2") >= 1 and sessions_of("n3") >= 1, 5, "sessions", n1)
+    # Which node holds a client's session (the fault suite's final reads).
+    held = [n.request("GET", f"/clients/{v5}")["session"] for n in (n1, n2, n3)]
+    assert held == [None, None, "connected"]
+    assert "error" in n1.request("GET", "/clients/%FF")
     # The CLI, through n1's admin endpoint (n1 holds neither).
     kicked = subprocess.run(
         [sys.executable, "-m", "fastbroker", "clients", "kick", v5, "--admin", n1.admin],
@@ -537,6 +541,7 @@ def test_a_client_kicked_through_one_node_loses_its_connection_and_session_on_an
     assert f"kicked {v5}" in kicked.stdout and "not held on this node" in kicked.stdout
     wait_for(lambda: c5.disconnect_rc is not None, 5, "the kicked client disconnected", n3)
     assert c5.disconnect_rc == 0x98 and c5.disconnect_from_server
+    assert n3.request("GET", f"/clients/{v5}")["session"] is None
     # The endpoint itself; a 3.1.1 client is just closed.
     assert n1.request("POST", "/clients/kick", {"client_id": v3}) == {
         "client_id": v3,

@@ -13,6 +13,8 @@ client cannot hold it.
   POST /cluster/leave   this node leaves the cluster, then stops (JSON result)
   POST /clients/kick    {"client_id": "..."}: ends that client's connection (MQTT 5:
                         DISCONNECT 0x98) and session on this node and every reachable one
+  GET  /clients/ID      {"client_id": ..., "session": "connected" | "disconnected" | null}:
+                        whether this node holds that client's session (ID percent-encoded)
   POST /debug/block     {"nodes": [...]}: cut links to those nodes; [] heals. Only with
                         [cluster] fault_injection = true (tests of network splits).
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -209,11 +212,13 @@ def routes(
     metrics_content_type: str = "text/plain; version=0.0.4; charset=utf-8",
     readiness: Readiness | None = None,
     kick: Callable[[str], bool] | None = None,
+    session_state: Callable[[str], str | None] | None = None,
 ) -> Handler:
     """The endpoint's routes; `cluster` is the ClusterNode, or None for a standalone broker;
     `on_left` runs once the node has left its cluster (it then stops); `metrics` renders the
     /metrics document and `readiness` answers /ready, `kick` ends a client id and says
-    whether this node held it (each route 404 when None)."""
+    whether this node held it, `session_state` says whether this node holds a client's
+    session (each route 404 when None)."""
 
     async def handle(method: str, path: str, body: bytes) -> tuple[int, Any]:
         if path == "/health":
@@ -252,6 +257,16 @@ def routes(
             if not isinstance(client_id, str) or len(client_id.encode()) > 65535:
                 return 400, {"error": 'POST {"client_id": "..."}'}
             return 200, {"client_id": client_id, "held_here": kick(client_id)}
+        if path.startswith("/clients/") and path != "/clients/kick" and session_state:
+            if method != "GET":
+                return 405, {"error": "use GET"}
+            try:
+                client_id = urllib.parse.unquote(path.removeprefix("/clients/"), errors="strict")
+            except UnicodeDecodeError:
+                client_id = ""
+            if not client_id or len(client_id.encode()) > 65535:
+                return 400, {"error": "GET /clients/<percent-encoded client id>"}
+            return 200, {"client_id": client_id, "session": session_state(client_id)}
         if path == "/debug/block":
             if cluster is None or not fault_injection:
                 return 404, {"error": "fault injection is off ([cluster] fault_injection)"}

@@ -411,6 +411,7 @@ async def start_admin(
         metrics_content_type=CONTENT_TYPE,
         readiness=readiness,
         kick=kick,
+        session_state=engine.session_state,
     )
     admin = AdminServer(handle)
     host, port = config.admin.host, config.admin.port

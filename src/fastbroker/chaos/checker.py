@@ -13,7 +13,8 @@ show, from the history alone (Jepsen's checker design: the broker is not asked).
 - ``retained_diverged``: nodes hold different retained messages for a topic after the heal;
   ``retained_stale``: they agree on one older than an acknowledged write that began after
   it completed (or on none while such a write set one).
-- ``sessions``: more than one node holds a session of one client id after the heal.
+- ``sessions``: more than one node holds a session of one client id after the heal, or
+  none holds a persistent subscriber's.
 - ``will_twice``: a will (one per connection, by its id) reached one client twice as a new
   message (not a redelivery with the DUP flag).
 
@@ -218,6 +219,8 @@ def check(ops: Iterable[Op]) -> Result:
     for client, nodes in sorted(h.sessions.items()):
         if len(nodes) > 1:
             result.add("sessions", f"{client} has sessions on {', '.join(sorted(nodes))}")
+        elif not nodes:
+            result.add("sessions", f"{client} has a session on no node")
     for ident, owner in sorted(h.wills.items()):
         for client, counts in received_new.items():
             if counts[ident] > 1:

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from fastbroker.chaos.checker import Result, check
+from fastbroker.chaos.front import admin_get
 from fastbroker.chaos.history import Recorder, read
 from fastbroker.chaos.nodes import Nodes
 
@@ -149,6 +151,19 @@ class Run:
         topics = sorted({pub.retained_topic for pub in publishers})
         for node in self.cluster.nodes:
             self.read_retained(node.node_id, self.cluster.front.node_mqtt(node.node_id), topics)
+        self.read_sessions([sub.client_id for sub in subscribers])
+
+    def read_sessions(self, clients: list[str]) -> None:
+        """Records which nodes hold a session of each of `clients` (each node's admin
+        endpoint, `GET /clients/ID`; a node that does not answer counts as holding none)."""
+        front = self.cluster.front
+        for client in clients:
+            held = []
+            for node in self.cluster.nodes:
+                answer = admin_get(front.node_admin(node.node_id), f"/clients/{quote(client)}")
+                if isinstance(answer, dict) and answer.get("session"):
+                    held.append(node.node_id)
+            self.record("reader", "info", "sessions", client=client, nodes=held)
 
     def read_retained(self, node: str, path: str, topics: list[str]) -> None:
         """Records the retained message `node` holds for each of `topics` (through its own
