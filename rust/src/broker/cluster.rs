@@ -61,7 +61,7 @@ pub(super) const LOAD_BUDGET: usize = 8 << 20;
 const SEAL_ABOVE: usize = 1 << 20;
 /// How long batches written to a peer may go unacknowledged before it counts as lagging
 /// (a split or a stall begins; acknowledgements on a link that is up take milliseconds).
-const LAGGING_MS: u64 = 300;
+const LAGGING_MS: u64 = 100;
 
 /// Counters of one peer's data-plane traffic, for metrics and `cluster status`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
