@@ -819,10 +819,11 @@ impl Engine {
         self.cluster.seal_for(to);
         self.store_outgoing(to);
         self.hand_over(sid, to, false, now);
+        let home = self.cluster.peer_name(to).unwrap_or_else(|| Arc::from("?"));
         self.event(
             "session_fenced",
             client,
-            "a newer version of the session lives on another node: handed to it".into(),
+            format!("a newer version of the session lives on {home}: handed to it"),
         );
     }
 
