@@ -1922,11 +1922,12 @@ impl Engine {
             c.plan.plain.dedup();
         }
         c.scratch_peers = matched;
+        let remote = !c.plan.plain.is_empty() || !c.plan.groups.is_empty();
         let now = self.last_now;
         let c = &mut self.cluster;
-        // Any peer a message may go to (shared groups' included).
-        c.plan.lagging = c.peers.iter().flatten().any(|p| p.lagging(now));
-        !c.plan.plain.is_empty() || !c.plan.groups.is_empty()
+        // Any peer it may go to (a shared group's member is picked later).
+        c.plan.lagging = remote && c.peers.iter().flatten().any(|p| p.lagging(now));
+        remote
     }
 
     /// Sends `msg` where `plan_forward` and local delivery decided: one item per peer, in

@@ -753,6 +753,35 @@ impl Engine {
         }
     }
 
+    /// Routing a message to session `sid`: true if the peer it came from lists the
+    /// session's client id as `taken` (its version of the session took it while the two
+    /// nodes were cut off: it lives on there, or merges into this one or the one this relays
+    /// to with what its client did not get, `give_up`). Else, with `listing` (published
+    /// here, at QoS 1/2, while a peer lags), a persistent session here is listed as taken.
+    pub(super) fn taken_elsewhere(
+        &mut self,
+        sid: SessionId,
+        taken: &[&str],
+        listing: bool,
+    ) -> bool {
+        let relaying = self.claims.relaying(sid);
+        let Some(s) = self.session_mut(sid) else {
+            return false;
+        };
+        if taken.contains(&&*s.client_id) {
+            self.replicas.stats.taken_elsewhere += 1;
+            return true;
+        }
+        if listing && s.stamp.is_some() && !relaying {
+            if s.taken_from_seq == 0 {
+                s.taken_from_seq = s.next_seq + 1;
+            }
+            let client = s.client_id.clone();
+            self.cluster.note_taken(client);
+        }
+        false
+    }
+
     /// Hands session `sid` to `to`, where version `newer` of it lives, if that version is
     /// recent enough for `to` to remember the ids it took: its own messages (with ids, to a
     /// node of protocol 5) and what reached it since this node started (and `to` did not

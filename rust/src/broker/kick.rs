@@ -1,5 +1,5 @@
 //! An administrator ends a client's connection and session: on this node, and through the
-//! cluster's batches on every other (`cluster_kick`).
+//! cluster's batches on every other (`cluster_kick`); or asks whether this node holds one.
 
 use super::Engine;
 

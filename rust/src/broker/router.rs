@@ -420,28 +420,9 @@ impl Engine {
         for (i, (sid, opts, ids)) in scratch.targets.drain(..).enumerate() {
             let qos = msg.qos.min(opts.qos);
             let retain = msg.retain && opts.retain_as_published;
-            if !taken.is_empty() || list_taken {
-                if let Some(s) = self.session(sid) {
-                    if taken.contains(&&*s.client_id) {
-                        // A version of this session on the sender took it while the two
-                        // nodes were cut off: it lives on there or merges into this one
-                        // (or the one this relays to) with what its client did not get
-                        // (cluster_replicas::give_up).
-                        self.replicas.stats.taken_elsewhere += 1;
-                        continue;
-                    }
-                    let listed = list_taken
-                        && qos != QoS::AtMostOnce
-                        && s.stamp.is_some()
-                        && !self.claims.relaying(sid);
-                    if listed {
-                        let client = s.client_id.clone();
-                        self.cluster.note_taken(client);
-                        if let Some(s) = self.session_mut(sid).filter(|s| s.taken_from_seq == 0) {
-                            s.taken_from_seq = s.next_seq + 1;
-                        }
-                    }
-                }
+            let listing = list_taken && qos != QoS::AtMostOnce;
+            if (listing || !taken.is_empty()) && self.taken_elsewhere(sid, taken, listing) {
+                continue;
             }
             if self.claims.relaying(sid) {
                 // A session that moved to another node a moment ago (cluster_sessions).
