@@ -206,7 +206,9 @@ cdef class Server:
         self.engine.tick(now)
         self.log_engine_events()
         self.run_hooks()
-        if self.engine.has_output():
+        # A tick also makes store writes of its own (a will copy that lived a second,
+        # expiries): they go now, not at whatever read comes next.
+        if self.engine.has_output() or (self.store is not None and self.engine_has_store_ops()):
             self.flush()
 
     def close_connections(self):
