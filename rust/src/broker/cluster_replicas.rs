@@ -602,6 +602,14 @@ impl Engine {
     }
 
     /// Whether this node holds a copy of `client_id`'s session.
+    /// Whether sessions of dead homes are being installed here (their copies read back).
+    pub(super) fn taking_over(&self) -> bool {
+        self.replicas
+            .wanted
+            .values()
+            .any(|u| matches!(u, Use::Takeover))
+    }
+
     pub(super) fn holds_copy(&self, client_id: &str) -> bool {
         self.replicas.copies.contains_key(client_id)
     }

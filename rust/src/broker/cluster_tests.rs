@@ -3396,6 +3396,41 @@ fn with_the_first_owner_not_back_from_a_power_cut_the_next_one_publishes_after_t
     assert_eq!(n.h[2].e.will_stats().held, 0);
 }
 
+/// `fastbroker cluster recover`: node 1, the survivor of a lost majority, restarts as the
+/// only member of a new map (nodes 0 and 2 are peers no more). It publishes node 0's will
+/// once it has installed node 0's sessions, so that one of them that wants it gets it.
+#[test]
+fn a_survivor_alone_in_a_new_map_publishes_a_lost_homes_will_after_taking_its_sessions_over() {
+    let (mut n, mut disks, _, _) = will_holder_on_node0();
+    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
+    n.h[0].subscribe(dev, "wills/#", QoS::AtLeastOnce);
+    let now = n.h[0].now;
+    n.h[0].e.closed(dev, now);
+    settle_and_sync(&mut n, &mut disks);
+    for (a, b) in [(0, 1), (0, 2), (1, 2)] {
+        n.cut_link(a, b);
+    }
+    let cfg = Config {
+        cluster_takeover_ms: 5_000,
+        ..durable()
+    };
+    let (mut h, _) = restart_with(&disks[1], n.h[1].now + 1_000, cfg);
+    h.e.cluster_start(900, "node1");
+    n.h[1] = h;
+    let now = n.h[1].now;
+    n.h[1]
+        .e
+        .cluster_set_map(2, vec![vec![super::THIS_NODE]], now);
+    for _ in 0..3 {
+        tick_after(&mut n, 1, 100);
+        serve_copy_loads(&mut n.h[1], &disks[1]);
+    }
+    assert_eq!(n.h[1].e.will_stats().published, 1);
+    let back = n.h[1].open_connect(persistent_v5("dev"));
+    n.settle();
+    assert_resumed(&mut n, 1, back, &["offline"]);
+}
+
 #[test]
 fn a_will_waiting_for_routes_is_published_before_a_new_connections_copy_replaces_it() {
     let (mut n, mut disks, _, _) = will_holder_on_node0();

@@ -578,9 +578,15 @@ impl Engine {
             let home = self.cluster.peer_by_key(home);
             let duty = match self.will_duty(&client, home, &gone) {
                 // Once this node has the routes of every node in reach (one that just started
-                // would miss the subscribers of nodes whose links still connect), unless the
-                // copy is about to be replaced.
-                Duty::Publish if !replaced && !self.cluster.routes_known(&gone, home) => Duty::Wait,
+                // would miss the subscribers of nodes whose links still connect), and has
+                // installed the dead homes' sessions it takes over (whose subscriptions may
+                // match), unless the copy is about to be replaced.
+                Duty::Publish
+                    if !replaced
+                        && (self.taking_over() || !self.cluster.routes_known(&gone, home)) =>
+                {
+                    Duty::Wait
+                }
                 // That owner holds a copy of its own.
                 Duty::Wait if replaced => Duty::Drop,
                 duty => duty,
