@@ -138,7 +138,8 @@ DEFAULT_ADMIN = "127.0.0.1:18830"
 
 @main.group()
 def cluster() -> None:
-    """Inspect and change the cluster through a node's admin endpoint."""
+    """Inspect and change the cluster (through a node's admin endpoint, or its stopped
+    data directory for `recover`)."""
 
 
 def admin_request(admin: str, method: str, path: str, timeout: float, body: Any = None) -> Any:
@@ -293,6 +294,54 @@ def leave(admin: str) -> None:
     if not data.get("left"):
         fail(f"the node did not leave: {data.get('error', 'no majority agreed in time')}", 1)
     click.echo("left the cluster; the node is stopping")
+
+
+@cluster.command()
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The node's TOML config file (for its [storage] data_dir).",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The node's data directory (overrides [storage] data_dir).",
+)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def recover(config_path: Path | None, data_dir: Path | None, yes: bool) -> None:
+    """Make a stopped node that lost the majority for good the only member of a new cluster.
+
+    Only when the other members are gone for good (docs/operations.md): they may come
+    back only with an empty data directory, joining the new cluster.
+    """
+    overrides = {"storage": {"data_dir": str(data_dir) if data_dir is not None else None}}
+    try:
+        config = load_config(config_path, overrides)
+    except ConfigError as error:
+        fail(str(error), EXIT_CONFIG_ERROR)
+    from fastbroker.cluster.recover import RecoverError
+    from fastbroker.cluster.recover import recover as recover_node
+
+    directory = Path(config.storage.data_dir)
+    if not yes:
+        click.confirm(
+            f"{directory}: form a new cluster with this node alone? The other members must "
+            "never come back with their data",
+            abort=True,
+        )
+    try:
+        done = recover_node(directory)
+    except RecoverError as error:
+        fail(str(error), EXIT_STARTUP_ERROR)
+    except OSError as error:
+        fail(f"{directory}: {error.strerror or error}", EXIT_STARTUP_ERROR)
+    click.echo(
+        f"node {done.node_id} is now the only member of cluster {done.new_cluster_id} "
+        f"(was {done.old_cluster_id}; removed {', '.join(done.removed) or 'none'}); map "
+        f"version {done.map_version}; {done.records_dropped} records kept for removed "
+        "members dropped. Start it, then join new nodes with empty data directories."
+    )
 
 
 @main.group()

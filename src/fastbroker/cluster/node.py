@@ -224,6 +224,7 @@ class ClusterNode:
             on_message=self.on_message,
             tls=tls,
         )
+        self.transport.cluster_id = self.cluster_id
         # Peers ping every heartbeat: a link silent this long is half-open (peer gone).
         self.transport.idle_timeout_s = settings.failure_timeout_ms / 1000
         self.dataplane: DataPlane | None = None

@@ -78,6 +78,8 @@ MAGIC = "fastbroker-cluster"
 # it and names the nodes to claim from (ClaimRoute, ClaimRouted). Version 11: a message
 # for a peer that may be cut off lists the persistent sessions here that took it (a flag
 # on Message), so a version of one of them made there meanwhile does not deliver it again.
+# HELLO's optional "cluster_id" (ignored by nodes that do not send it) refuses links between
+# nodes of different clusters, whatever the version.
 PROTOCOL_MIN = 2
 PROTOCOL_MAX = 11
 
@@ -258,6 +260,7 @@ class Link(asyncio.Protocol):
                 "magic": MAGIC,
                 "versions": [PROTOCOL_MIN, owner.protocol_max],
                 "cluster": owner.cluster_name,
+                "cluster_id": owner.cluster_id(),
                 "node": owner.node_id,
                 "address": owner.advertise,
                 "nonce": self.nonce,
@@ -359,6 +362,11 @@ class Link(asyncio.Protocol):
         if hello.get("cluster") != owner.cluster_name:
             theirs = reprlib.repr(hello.get("cluster"))
             return f"cluster name differs: ours {owner.cluster_name!r}, theirs {theirs}"
+        ours, theirs_id = owner.cluster_id(), hello.get("cluster_id")
+        if ours is not None and isinstance(theirs_id, str) and theirs_id != ours:
+            # Not a peer: a cluster formed anew (`fastbroker cluster recover`) takes members
+            # of the old one back only with an empty data directory.
+            return f"cluster id differs: ours {ours}, theirs {reprlib.repr(theirs_id)}"
         if node == owner.node_id:
             # Discovery found our own address.
             return "same node"
@@ -526,6 +534,9 @@ class Transport:
         # address -> node id learnt at handshake, so we do not dial a connected peer again.
         self.address_ids: dict[tuple[str, int], str] = {}
         self.blocked: set[str] = set()
+        # The id of the cluster this node is in (None before it joins one): links to nodes
+        # of another cluster are refused. Set by the node that owns the transport.
+        self.cluster_id: Callable[[], str | None] = lambda: None
         self.handshaking = 0
         # Traffic per authenticated peer since this node started, and before authentication.
         self.traffic: dict[str, Traffic] = {}
