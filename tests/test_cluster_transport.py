@@ -108,6 +108,26 @@ def test_wrong_secret_and_wrong_cluster_are_refused():
     run(main())
 
 
+def test_nodes_of_different_clusters_are_refused_and_a_node_in_none_yet_is_not():
+    async def main() -> None:
+        b = await Peer("b").listen()
+        b.transport.cluster_id = lambda: "new"
+        old = await Peer("a").listen()
+        old.transport.cluster_id = lambda: "old"
+        old.dial(b)
+        await asyncio.sleep(0.5)
+        assert old.ups == [] and b.ups == []
+        await old.transport.close()
+        # A fresh node (no cluster yet) links, to join.
+        fresh = await Peer("c").listen()
+        fresh.dial(b)
+        await until(lambda: fresh.ups == ["b"] and "c" in b.ups)
+        for p in (fresh, b):
+            await p.transport.close()
+
+    run(main())
+
+
 def test_protocol_version_negotiated():
     async def main() -> None:
         new = await Peer("new", protocol_max=tr.PROTOCOL_MAX + 1).listen()
