@@ -159,9 +159,10 @@ class Engine:
         """The connection is gone (by the peer or after ``drain`` asked to close it);
         ``reason`` is the access log's reason when the engine did not ask for it (default
         "connection lost")."""
-    def close_all(self, detail: str, now_ms: int) -> None:
+    def close_all(self, detail: str, now_ms: int, server_reference: str | None = None) -> None:
         """The broker is stopping: every connection is asked to close (see ``drain``), MQTT 5
-        clients first getting DISCONNECT 0x8B; wills are published."""
+        clients first getting DISCONNECT 0x8B, or 0x9C "use another server" with
+        ``server_reference`` when one is given; wills are published."""
     def cluster_start(self, epoch: int, node: str) -> None:
         """Turns the cluster part on; ``epoch`` is this process's incarnation (random,
         non-zero), so peers tell its batches from those of an earlier run; ``node`` is the

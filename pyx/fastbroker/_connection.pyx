@@ -211,11 +211,12 @@ cdef class Server:
         if self.engine.has_output() or (self.store is not None and self.engine_has_store_ops()):
             self.flush()
 
-    def close_connections(self):
-        """Sends pending output and DISCONNECT 0x8B to MQTT 5 clients, then closes every
-        connection (each still gets connection_lost)."""
+    def close_connections(self, server_reference=None):
+        """Sends pending output and DISCONNECT 0x8B to MQTT 5 clients (0x9C "use another
+        server" with ``server_reference`` when one is given), then closes every connection
+        (each still gets connection_lost)."""
         self.shutting_down = True
-        self.engine.close_all("server shutting down", monotonic_now_ms())
+        self.engine.close_all("server shutting down", monotonic_now_ms(), server_reference)
         self.flush()
         for connection in list(self.connections):
             if connection is not None and (<Connection>connection).transport is not None:

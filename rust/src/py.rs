@@ -124,8 +124,9 @@ impl PyEngine {
         self.inner.closed_because(conn, now_ms, reason)
     }
 
-    fn close_all(&mut self, detail: &str, now_ms: u64) {
-        self.inner.close_all(detail, now_ms)
+    #[pyo3(signature = (detail, now_ms, server_reference = None))]
+    fn close_all(&mut self, detail: &str, now_ms: u64, server_reference: Option<&str>) {
+        self.inner.close_all(detail, server_reference, now_ms)
     }
 
     fn take_resumed(&mut self) -> Vec<u32> {

@@ -102,6 +102,8 @@ pub struct Engine {
     retained: RetainedTree<Arc<Message>>,
     /// Connections with output or a close request since the last `drain`.
     dirty: Vec<ConnId>,
+    /// Where `close_all` sends MQTT 5 clients (DISCONNECT 0x9C), if anywhere.
+    server_reference: Option<String>,
     /// Sessions whose queue pump stopped at PUMP_BUDGET and goes on after the next drain.
     pending_pump: Vec<SessionId>,
     /// The latest time the caller gave; drain has no clock of its own.
@@ -162,6 +164,7 @@ impl Engine {
             subs: SubscriptionIndex::new(),
             retained: RetainedTree::new(),
             dirty: Vec::new(),
+            server_reference: None,
             pending_pump: Vec::new(),
             last_now: 0,
             out_of_touch_until: 0,
@@ -280,11 +283,18 @@ impl Engine {
 
     /// The broker is stopping: every connection is closed, MQTT 5 clients first getting
     /// DISCONNECT 0x8B. Wills are published, as for any end the client did not ask for.
-    pub fn close_all(&mut self, detail: &str, now: u64) {
+    pub fn close_all(&mut self, detail: &str, server_reference: Option<&str>, now: u64) {
         self.last_now = now;
+        self.server_reference = server_reference.map(str::to_owned);
+        // 0x9C "use another server" where there is one to name, else "server shutting down".
+        let code = if server_reference.is_some() {
+            0x9C
+        } else {
+            0x8B
+        };
         for id in 0..self.conns.len() as ConnId {
             match self.conn(id).map(|c| c.state) {
-                Some(ConnState::Active) => self.close(id, Some(0x8B), detail, true, now),
+                Some(ConnState::Active) => self.close(id, Some(code), detail, true, now),
                 Some(ConnState::Closing) | None => {}
                 Some(_) => self.stop_reading_and_close(id),
             }
@@ -547,6 +557,11 @@ impl Engine {
             let mut properties = Properties::default();
             if conn.problem_info && !detail.is_empty() {
                 properties.reason_string = Some(detail.to_string());
+            }
+            if code == 0x9C {
+                properties
+                    .server_reference
+                    .clone_from(&self.server_reference);
             }
             self.send(
                 id,

@@ -760,3 +760,29 @@ fn full_queues_answer_quota_exceeded_in_mqtt5() {
     h.publish(publ, "nobody", "x", QoS::ExactlyOnce, false);
     assert_eq!(codes(&mut h), vec![0x10]);
 }
+
+#[test]
+fn a_stop_with_a_server_reference_sends_mqtt5_clients_there_with_0x9c() {
+    for (reference, code) in [(Some("lb.example:1883"), 0x9C), (None, 0x8B)] {
+        let mut h = Harness::new();
+        let v5 = h.connect("v5", Protocol::V5, true);
+        let v311 = h.connect("v311", Protocol::V311, true);
+        h.recv();
+        let now = h.now;
+        h.e.close_all("server shutting down", reference, now);
+        let all = h.recv();
+        match &all[&v5][..] {
+            [Packet::Disconnect(d)] => {
+                assert_eq!(d.reason_code, code);
+                let named = d
+                    .properties
+                    .as_ref()
+                    .and_then(|p| p.server_reference.clone());
+                assert_eq!(named.as_deref(), reference);
+            }
+            other => panic!("{other:?}"),
+        }
+        // MQTT 3.1.1 has no DISCONNECT from the server: the connection just closes.
+        assert!(all.get(&v311).is_none_or(Vec::is_empty));
+    }
+}
