@@ -2049,6 +2049,34 @@ fn a_qos2_publish_and_its_pubrel_reach_the_client_only_once_an_owner_holds_their
 }
 
 #[test]
+fn what_a_connected_session_acknowledged_is_not_delivered_again_after_a_takeover() {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 5_000);
+    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
+    n.h[0].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    for m in ["m0", "m1", "m2"] {
+        n.h[2].publish(publisher, "cmd/dev", m, QoS::AtLeastOnce, false);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv_one(dev);
+    assert_eq!(payloads(&got), ["m0", "m1", "m2"]);
+    puback_all(&mut n, 0, dev, &got);
+    settle_and_sync(&mut n, &mut disks);
+    let now = n.h[0].now;
+    n.h[0].e.closed(dev, now);
+    settle_and_sync(&mut n, &mut disks);
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    tick_after(&mut n, 1, 5_000);
+    assert_eq!(serve_copy_loads(&mut n.h[1], &disks[1]), 1);
+    settle_and_sync(&mut n, &mut disks);
+    let back = n.h[1].open_connect(persistent_v5("dev"));
+    n.settle();
+    assert_resumed(&mut n, 1, back, &[]);
+}
+
+#[test]
 fn a_dead_homes_session_is_taken_over_once_and_its_will_published_once() {
     let (mut n, mut disks) = copying_nodes(3, &[0, 1], 5_000);
     let mut c = persistent_v5("lamp");
