@@ -128,6 +128,9 @@ class ClusterConfig:
     election_timeout_ms: int = 1000
     # A member the leader has not heard from for this long is removed from the map.
     failure_timeout_ms: int = 5000
+    # A member that stopped for a restart (SIGTERM) stays in the map this long instead, so
+    # that a rolling restart moves no partitions; 0: as long as the failure timeout.
+    restart_timeout_ms: int = 300_000
     discovery_interval_ms: int = 1000
     # Lets the admin endpoint cut links to chosen nodes (split tests); never in production.
     fault_injection: bool = False
@@ -144,6 +147,10 @@ class ClusterConfig:
     # on the partition's other owners) before the publish is acknowledged; at most
     # replication_factor. With no owner reachable, one copy suffices (counted as degraded).
     ack_replicas: int = 2
+    # Where MQTT 5 clients are told to go when this node stops for a planned restart
+    # (SIGTERM): DISCONNECT 0x9C "use another server" with this Server Reference, such as the
+    # load balancer's "host:port". Empty: DISCONNECT 0x8B "server shutting down".
+    server_reference: str = ""
 
 
 @dataclass(frozen=True)
@@ -386,6 +393,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "heartbeat_ms": integer(10, 60_000),
         "election_timeout_ms": integer(50, 600_000),
         "failure_timeout_ms": integer(100, 86_400_000),
+        "restart_timeout_ms": integer(0, 86_400_000),
         "discovery_interval_ms": integer(100, 600_000),
         "fault_injection": boolean,
         "tls_certfile": nonempty_string,
@@ -393,6 +401,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "tls_cafile": nonempty_string,
         "outbox_memory_mb": integer(1, 1_000_000),
         "ack_replicas": integer(1, 16),
+        "server_reference": any_string,
     },
     "admin": {
         "enabled": boolean,
@@ -539,6 +548,8 @@ def check_cluster(cluster: ClusterConfig, source: str) -> None:
         problem = "set secret or secret_file, not both"
     elif len({bool(cluster.tls_certfile), bool(cluster.tls_keyfile), bool(cluster.tls_cafile)}) > 1:
         problem = "set all of tls_certfile, tls_keyfile and tls_cafile, or none"
+    elif len(cluster.server_reference.encode()) > 65535 or "\x00" in cluster.server_reference:
+        problem = "server_reference must be an MQTT string (at most 65,535 bytes, no NUL)"
     elif not cluster.advertise and parse_address(cluster.listen, allow_any_port=True)[0] in (
         "0.0.0.0",
         "::",

@@ -285,10 +285,14 @@ async def run_server(
     sys_topics.stop()
     heap_trimmer.stop()
     memory_guard.stop()
-    await close_connections(server)
+    # A cluster node stopping (expected back, or not): its clients go to the others.
+    reference = config.cluster.server_reference if cluster is not None else ""
+    await close_connections(server, reference or None)
     if cluster is not None:
-        # After the connections: the wills their ends publish still reach the other nodes.
-        await cluster.stop()
+        # After the connections: the wills their ends publish still reach the other nodes,
+        # and the copies of their sessions are complete.
+        await cluster.settle_peers()
+        await cluster.stop(planned=True)
     if auth is not None:
         await auth.stop()
     server.stop_ticking()
@@ -425,9 +429,10 @@ async def start_admin(
     return admin
 
 
-async def close_connections(server: Server) -> None:
-    """Closes every connection, waiting up to SHUTDOWN_GRACE_S for their buffers to drain."""
-    server.close_connections()
+async def close_connections(server: Server, server_reference: str | None = None) -> None:
+    """Closes every connection, waiting up to SHUTDOWN_GRACE_S for their buffers to drain
+    (MQTT 5 clients are sent to `server_reference` if given: DISCONNECT 0x9C)."""
+    server.close_connections(server_reference)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + SHUTDOWN_GRACE_S
     while server.open_connections and loop.time() < deadline:

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import os
 import random
+import reprlib
 import time
 import uuid
 from pathlib import Path
@@ -48,8 +49,15 @@ PING = 17
 JOIN = 18
 JOIN_REPLY = 19
 LEAVE = 20
+# A member stopping for a restart (SIGTERM): {"back_within_ms": n}. Nodes that do not know
+# the kind ignore it.
+STOPPING = 21
+# The longest stay away a stop notice may ask for (as `[cluster] restart_timeout_ms`).
+MAX_RESTART_MS = 86_400_000
 
 TICK_S = 0.05
+# How long a planned stop (SIGTERM) waits for its peers to acknowledge its last batches.
+PLANNED_STOP_SETTLE_S = 3.0
 # A fresh node waits this long for its peers' pings before it may found a cluster, so a node
 # joining a running cluster learns of it first.
 BOOTSTRAP_GRACE_S = 2.0
@@ -204,6 +212,9 @@ class ClusterNode:
         self.last_join_refusal = ""
         self.leader_started = 0
         self.warned_clusters: set[str] = set()
+        # member -> until when (ms) it is kept in the map while away: it stopped for a
+        # restart, and removing it would move its partitions away and back (two rebalances).
+        self.planned_stops: dict[str, int] = {}
         self.left = asyncio.Event()
         self.tick_task: asyncio.Task[None] | None = None
         self.discovery_task: asyncio.Task[None] | None = None
@@ -297,13 +308,48 @@ class ClusterNode:
         )
         self.tick_task = self.loop.create_task(self.run_ticks())
 
-    async def stop(self) -> None:
+    async def stop(self, planned: bool = False) -> None:
+        """`planned`: a stop for a restart (SIGTERM), which the other members are told of,
+        so that they keep this node in the map for `restart_timeout_ms` rather than the
+        failure timeout."""
         for task in (self.tick_task, self.discovery_task):
             if task is not None:
                 task.cancel()
+        if planned and self.is_member() and self.settings.restart_timeout_ms:
+            # After the last ping (the ticks are stopped): a ping clears the notice.
+            notice = {"back_within_ms": self.settings.restart_timeout_ms}
+            for peer in list(self.transport.links):
+                self.transport.send(peer, STOPPING, notice)
+            await asyncio.sleep(0.05)  # written before the links close
         if self.discovery is not None:
             await self.discovery.stop()
         await self.transport.close()
+
+    async def settle_peers(self, timeout_s: float = PLANNED_STOP_SETTLE_S) -> bool:
+        """A planned stop, once the clients are gone: waits (at most `timeout_s`) until
+        every peer in reach has acknowledged what this node sent it, the last changes to the
+        copies of its sessions among it. The owners that take those sessions over then have
+        them as they were at the end: no message a client acknowledged here is delivered to
+        it again. True if every peer did."""
+        if self.dataplane is None:
+            return True
+        engine = self.dataplane.engine
+        deadline = self.loop.time() + timeout_s
+        while True:
+            pending = [
+                e["node_id"] for e in engine.cluster_stats() if e["up"] and e["unacked_bytes"]
+            ]
+            if not pending:
+                return True
+            if self.loop.time() >= deadline:
+                logger.warning(
+                    "stopping with batches not acknowledged by %s after %.1f s: they get them "
+                    "when this node is back",
+                    ", ".join(sorted(pending)),
+                    timeout_s,
+                )
+                return False
+            await asyncio.sleep(0.01)
 
     async def run_ticks(self) -> None:
         while True:
@@ -552,6 +598,8 @@ class ClusterNode:
             heard = max(raft.last_ack_ms(member) or 0, view.last_seen if view else 0)
             # Counted from when this node became leader at the earliest: it cannot know more.
             heard = max(heard, self.leader_since(now))
+            if now < self.planned_stops.get(member, 0):
+                continue
             if now - heard > timeout:
                 reason = raft.propose(config.without_member(member), now)
                 if reason is None:
@@ -694,6 +742,8 @@ class ClusterNode:
             self.handle_join_reply(sender, value)
         elif kind == LEAVE:
             self.handle_leave(sender, value, now)
+        elif kind == STOPPING:
+            self.handle_stopping(sender, value, now)
         # Unknown kinds come from newer nodes; ignoring them keeps mixed versions working.
 
     def send_pings(self, now: int) -> None:
@@ -717,9 +767,23 @@ class ClusterNode:
         for peer in self.transport.connected():
             self.transport.send(peer, PING, ping)
 
+    def handle_stopping(self, sender: str, notice: Any, now: int) -> None:
+        within = notice.get("back_within_ms") if isinstance(notice, dict) else None
+        if type(within) is not int or not 0 < within <= MAX_RESTART_MS:
+            logger.warning("malformed stop notice from %s: %s", sender, reprlib.repr(notice))
+            return
+        self.planned_stops[sender] = now + within
+        logger.info(
+            "%s is stopping for a restart: it stays a member for up to %.0f s",
+            sender,
+            within / 1000,
+        )
+
     def handle_ping(self, sender: str, ping: Any, now: int) -> None:
         if not isinstance(ping, dict):
             return
+        # Back from its restart (or it never went).
+        self.planned_stops.pop(sender, None)
         view = self.peers.setdefault(sender, PeerView())
         view.last_seen = now
         address = ping.get("address")
