@@ -99,8 +99,8 @@ AUTH = 2
 REJECT = 3
 
 HANDSHAKE_TIMEOUT_S = 5.0
-# Bytes a peer may send before it has authenticated (HELLO and AUTH take a few hundred; its
-# first frames may share the last read): a stranger cannot make us buffer or decode more.
+# Bytes a peer may send before it has authenticated (HELLO and AUTH take a few hundred), past
+# the read that holds its AUTH: a stranger cannot make us buffer or decode more.
 MAX_UNAUTHENTICATED_BYTES = 64 * 1024
 # Links still in their handshake; more are refused, so a connection flood stays cheap.
 MAX_HANDSHAKING = 128
@@ -272,7 +272,7 @@ class Link(asyncio.Protocol):
         self.bytes_in += len(data)
         self.traffic.bytes_in += len(data)
         self.last_received = self.owner.loop.time()
-        if not self.up and self.bytes_in > MAX_UNAUTHENTICATED_BYTES:
+        if not self.up and self.bytes_in - len(data) > MAX_UNAUTHENTICATED_BYTES:
             self.fail("too many bytes before the handshake completed")
             return
         try:
@@ -289,6 +289,11 @@ class Link(asyncio.Protocol):
                 self.owner.deliver(self, kind, value)
             else:
                 self.handshake_step(kind, value)
+        # Counted once this read's frames are handled: a peer's AUTH may share a read with a
+        # burst of data it sends right after (its queue for us, after a reconnect); one read
+        # is bounded by the event loop's buffer.
+        if not self.up and not self.closed and self.bytes_in > MAX_UNAUTHENTICATED_BYTES:
+            self.fail("too many bytes before the handshake completed")
 
     def pause_writing(self) -> None:
         if self.up and self.channel == DATA_CHANNEL:
@@ -537,6 +542,8 @@ class Transport:
         # The id of the cluster this node is in (None before it joins one): links to nodes
         # of another cluster are refused. Set by the node that owns the transport.
         self.cluster_id: Callable[[], str | None] = lambda: None
+        # Why data links are refused for now (this node's store fails), or None.
+        self.data_refused: str | None = None
         self.handshaking = 0
         # Traffic per authenticated peer since this node started, and before authentication.
         self.traffic: dict[str, Traffic] = {}
@@ -614,6 +621,8 @@ class Transport:
         for peer, link in self.links.items():
             # Data links are dialled by the node with the smaller id.
             if peer in self.data_links or peer in self.data_dialling or self.node_id > peer:
+                continue
+            if self.data_refused is not None:
                 continue
             dial_state = self.data_dials.setdefault(peer, [0.0, BACKOFF_MIN_S])
             address = self.data_address(link)
@@ -701,9 +710,20 @@ class Transport:
         if self.on_peer_up is not None:
             self.on_peer_up(peer)
 
+    def refuse_data(self, reason: str | None) -> None:
+        """Closes the data links and refuses new ones while `reason` is set; control links
+        (membership) stay."""
+        self.data_refused = reason
+        if reason is not None:
+            for link in list(self.data_links.values()):
+                link.close(f"data link closed: {reason}", level=logging.WARNING)
+
     def data_link_up(self, link: Link) -> None:
         peer = link.peer_id
         assert peer is not None
+        if self.data_refused is not None:
+            link.close(f"data link refused: {self.data_refused}", level=logging.DEBUG)
+            return
         if peer not in self.links or (link.dialled is None) == (self.node_id < peer):
             # Only with a control link up, and only dialled by the node with the smaller id.
             link.close("data link without its control link", level=logging.DEBUG)
