@@ -67,6 +67,9 @@ cdef class Server:
     # The cluster's data plane (fastbroker.cluster.dataplane.DataPlane.send), or None: called
     # by flush with the frames the engine made for other nodes, after the store batch.
     cdef public object cluster_output
+    # Called with True when the store starts failing (disk full) and False once it takes
+    # writes again (the cluster's data plane: peers must not wait on this node meanwhile).
+    cdef public object store_state_handler
     # Connection -> the timer that cuts it off at the end of its linger.
     cdef dict lingering
 

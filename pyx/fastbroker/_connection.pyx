@@ -92,6 +92,7 @@ cdef class Server:
         self.shutting_down = False
         self.close_linger = DEFAULT_CLOSE_LINGER
         self.cluster_output = None
+        self.store_state_handler = None
         self.lingering = {}
 
     def new_connection(self):
@@ -372,6 +373,8 @@ cdef class Server:
             self.set_reading_all(False)
             self.store_retry_handle = self.loop.call_later(STORE_RETRY_INTERVAL,
                                                            self.retry_store)
+            if self.store_state_handler is not None:
+                self.store_state_handler(True)
             return False
         return True
 
@@ -393,6 +396,8 @@ cdef class Server:
             return
         logger.warning("store writable again; the held batch is stored, resuming")
         self.set_reading_all(True)
+        if self.store_state_handler is not None:
+            self.store_state_handler(False)
         self.flush()
 
     def start_syncing(self, double interval):

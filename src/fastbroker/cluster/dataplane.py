@@ -36,6 +36,7 @@ class DataPlane:
         # A new incarnation per start: peers tell our batches from an earlier run's by it.
         engine.cluster_start(int.from_bytes(os.urandom(8), "big") or 1, transport.node_id)
         server.cluster_output = self.send
+        server.store_state_handler = self.store_failing
 
     def peer(self, node_id: str) -> int:
         peer = self.peer_ids.get(node_id)
@@ -65,6 +66,17 @@ class DataPlane:
             self.engine.cluster_set_writable(peer, writable)
             if writable:
                 self.server.schedule_flush()
+
+    def store_failing(self, failing: bool) -> None:
+        """While this node's store fails (disk full) it can take nothing from its peers: its
+        data links close, so that they keep what they have for it on their disks and
+        acknowledge their publishers without waiting for it (as for a node that is down),
+        rather than wait on it or fill its memory. They come back with the store."""
+        if failing:
+            logger.error("store failing: data links to the other nodes closed until it recovers")
+        else:
+            logger.warning("store recovered: data links to the other nodes open again")
+        self.transport.refuse_data("this node's store is failing" if failing else None)
 
     def forget(self, node_id: str) -> None:
         """A node that left the cluster on purpose: its routes go, and what waits for it."""
