@@ -96,6 +96,7 @@ def test_a_clean_history_is_valid():
     assert result.verdict().startswith("VALID: anomalies lost=0 ")
     assert result.counts["acknowledged"] == 12
     assert result.counts["receives"] == 21
+    assert result.counts["wills"] == 0  # the publisher's connection did not end
 
 
 def test_an_acknowledged_message_that_never_arrives_is_lost():
@@ -263,6 +264,7 @@ def test_a_will_that_reaches_a_client_twice_as_new():
     assert kinds(run) == {}
     run.receive("ws", "w/p", "will-p")
     assert kinds(run) == {"will_twice": 1}
+    assert check(run.ops()).counts["wills"] == 1
 
 
 @pytest.mark.parametrize(

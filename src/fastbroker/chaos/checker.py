@@ -233,6 +233,8 @@ def check(ops: Iterable[Op]) -> Result:
         "receives": len(h.receives),
         "clients": len(h.clean),
         "retained_topics": len(h.retained),
+        # Wills of ended connections that reached a subscriber (each connection has its own).
+        "wills": len({i for counts in received_new.values() for i in counts if i in h.wills}),
     }
     return result
 

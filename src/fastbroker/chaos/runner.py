@@ -31,6 +31,8 @@ TOPIC = "chaos/t"
 # Each publisher also sets a retained message on its own topic here (not subscribed to by
 # the subscribers); the final reads compare them across nodes.
 RETAINED_TOPIC = "chaos/r"
+# Publishers' wills: under TOPIC, so the subscribers get them.
+WILL_TOPIC = f"{TOPIC}/will"
 SESSION_EXPIRY = 600
 # paho gives up a CONNECT with no CONNACK after one keep alive: longer than a claim's
 # longest wait (the failure timeout and 2 s). HAProxy closes the connections of a node it
@@ -249,6 +251,8 @@ class Connection:
         self.connected = False
         self.mqtt: Any = None
         self.connecting_since = 0.0
+        # Connections made so far (a will's id names the connection it belongs to).
+        self.connections = 0
 
     def new_client(self) -> Any:
         from paho.mqtt.client import CallbackAPIVersion, Client
@@ -264,6 +268,10 @@ class Connection:
         client.on_disconnect = self.on_disconnect
         return client
 
+    def will(self) -> dict[str, str] | None:
+        """The will of the next connection ({"topic", "id"}), or None."""
+        return None
+
     def connect(self) -> bool:
         from paho.mqtt.packettypes import PacketTypes
         from paho.mqtt.properties import Properties
@@ -271,9 +279,14 @@ class Connection:
         props = Properties(PacketTypes.CONNECT)
         if self.persistent:
             props.SessionExpiryInterval = SESSION_EXPIRY
+        self.connections += 1
+        will = self.will()
+        self.mqtt.will_clear()
+        if will is not None:
+            self.mqtt.will_set(will["topic"], will["id"].encode(), qos=1)
         # Through HAProxy: which node it lands on is HAProxy's choice (round robin).
         value = {"client": self.client_id, "node": "front", "clean": not self.persistent}
-        self.run.record(self.name, "invoke", "connect", **value, will=None)
+        self.run.record(self.name, "invoke", "connect", **value, will=will)
         try:
             self.mqtt.connect(
                 self.run.cluster.front.mqtt_socket,
@@ -394,7 +407,10 @@ class Subscriber(Connection):
 class Publisher(Connection):
     """Publishes numbered messages to its own topic at one QoS; a new clean session for each
     connection, so an unacknowledged publish whose connection dropped is of unknown outcome
-    (recorded `info`) and never sent again."""
+    (recorded `info`) and never sent again. Each connection has a QoS 1 will, one id per
+    connection, on a topic the subscribers' filter matches: a connection that ends without
+    DISCONNECT (its node killed, paused or cut off past the failure timeout) has it
+    published, and no subscriber may get one twice (`will_twice`)."""
 
     def __init__(self, run: Run, name: str, seed: int, qos: int) -> None:
         super().__init__(run, name, seed, persistent=False)
@@ -442,6 +458,9 @@ class Publisher(Connection):
         if self.connected:
             self.mqtt.disconnect()
             self.mqtt.loop(0.1)
+
+    def will(self) -> dict[str, str] | None:
+        return {"topic": f"{WILL_TOPIC}/{self.name}", "id": f"{self.name}-will-{self.connections}"}
 
     def forget_pending(self) -> None:
         for value in self.pending.values():
