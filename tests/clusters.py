@@ -49,6 +49,9 @@ class Node:
         self.mqtt_port = MQTT_PORT
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = workdir / "node.log"
+        # Another build to run this node with (a directory of its packages, put first on the
+        # node's PYTHONPATH: tests/test_rolling_upgrade.py), or None for this one.
+        self.build: Path | None = None
 
     @property
     def cluster_address(self) -> str:
@@ -201,6 +204,8 @@ class Cluster:
         env = dict(os.environ)
         if importlib.util.find_spec("fastbroker") is None:
             env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
+        if node.build is not None:
+            env["PYTHONPATH"] = str(node.build) + os.pathsep + env.get("PYTHONPATH", "")
         with open(node.log_path, "ab") as log:
             argv = [sys.executable, "-m", "fastbroker", "run", "--config", str(config)]
             if self.netns is not None:

@@ -55,8 +55,9 @@ import fastbroker_core
 logger = logging.getLogger("fastbroker.cluster.transport")
 
 MAGIC = "fastbroker-cluster"
-# The inter-node protocol versions this build speaks. A node of the next release speaks
-# [2, 8] and talks 7 with this one, which lets a cluster run mixed during a rolling upgrade.
+# The inter-node protocol versions this build speaks. Two nodes talk the highest version both
+# speak, so a release runs beside the one before it during a rolling upgrade (the rule and
+# the procedure: docs/upgrade.md; tests/test_rolling_upgrade.py runs both builds).
 # Version 2 added the data plane (routes and forwarded messages): a version 1 node, which
 # cannot carry them, is refused at handshake. Version 3 added DATA_KEEPALIVE, claims and
 # kicks. Version 4 added copies of sessions (Copy, CopyCheck, Fence batch items). Version 5
