@@ -112,8 +112,12 @@ struct Claim {
     /// by what was acknowledged with fewer of them.
     best_copy: Option<CopyAnswer>,
     /// Nodes that may hold the session went out of reach lately and could not be asked
-    /// (`may_hold_out_of_reach`): unless a session came, the CONNECT is refused.
+    /// (`may_hold_out_of_reach`), or went out of reach before answering: unless a session
+    /// came, the CONNECT is refused.
     out_of_reach: bool,
+    /// The nodes (keys) the claim's owner named as holding or claiming the session; None
+    /// when it went to every node in reach (any may hold it).
+    named: Option<Vec<u64>>,
 }
 
 /// A session that came here from a live home, which relays for it meanwhile.
@@ -261,6 +265,7 @@ impl Engine {
                 route_until: 0,
                 silent: Vec::new(),
                 out_of_reach: false,
+                named: None,
             },
         );
         if self.route_claim(&client_id, false, now) {
@@ -360,6 +365,7 @@ impl Engine {
         claim.stamp = stamp;
         claim.route = None;
         claim.out_of_reach = out_of_reach;
+        claim.named = ask.map(<[u64]>::to_vec);
         claim.waiting = peers;
         claim.deadline = now + wait;
         claim.waiting.is_empty()
@@ -959,12 +965,20 @@ impl Engine {
                 }
             }
         }
+        let key = self.cluster.peer_key(peer);
         let done: Vec<Arc<str>> = self
             .claims
             .pending
             .iter_mut()
             .filter_map(|(id, claim)| {
+                let before = claim.waiting.len();
                 claim.waiting.retain(|&p| p != peer);
+                // Gone without answering, it may hold the session (cut off by a split, its
+                // link found down only now): no fresh session here, unless a copy answers.
+                let may_hold = claim.named.as_ref().is_none_or(|n| n.contains(&key));
+                if claim.waiting.len() < before && may_hold && !claim.discard {
+                    claim.out_of_reach = true;
+                }
                 claim.waiting.is_empty().then(|| id.clone())
             })
             .collect();
