@@ -601,7 +601,6 @@ impl Engine {
         self.registry_note(client_id);
     }
 
-    /// Whether this node holds a copy of `client_id`'s session.
     /// Whether sessions of dead homes are being installed here (their copies read back).
     pub(super) fn taking_over(&self) -> bool {
         self.replicas
@@ -610,6 +609,7 @@ impl Engine {
             .any(|u| matches!(u, Use::Takeover))
     }
 
+    /// Whether this node holds a copy of `client_id`'s session.
     pub(super) fn holds_copy(&self, client_id: &str) -> bool {
         self.replicas.copies.contains_key(client_id)
     }
