@@ -901,13 +901,17 @@ impl Engine {
     fn retire(&mut self, sid: SessionId, now: u64) -> Option<Arc<str>> {
         self.replicas.stats.fenced += 1;
         self.claims.won.remove(&sid);
+        let session = self.session(sid)?;
+        let client = session.client_id.clone();
+        if let Some(conn) = session.conn {
+            // Before the stamp goes: the close stores the session, and one without a stamp
+            // would get a new one, newer than the version it gives way to (each of two
+            // nodes could then hand its session to the other, and neither keep one).
+            self.close_for_another_node(conn, "session lives on another node", now);
+        }
         let session = self.session_mut(sid)?;
         session.stamp = None;
         session.pending_will = None;
-        let client = session.client_id.clone();
-        if let Some(conn) = session.conn {
-            self.close_for_another_node(conn, "session lives on another node", now);
-        }
         Some(client)
     }
 

@@ -17,7 +17,9 @@
 //! - **Races.** The highest stamp wins. A node with its own claim out for the client answers
 //!   an older claim at once with none, and serves a newer one only after its own completed
 //!   (then as a takeover), so every node ends with the newest connect alive and no claim
-//!   waits on one that waits on it.
+//!   waits on one that waits on it. A session whose connection is gone goes to any claim:
+//!   stamps order claims only through what their owners heard, and an owner new to the
+//!   partition may stamp the client's next connect below the one before.
 //! - **No loss in the hand-over.** The session's records leave the old home in a reliable
 //!   batch kept in its store in the same write that deletes them, so a crash of either node
 //!   at any point leaves them on one disk at least. An answer that finds no claim waiting
@@ -533,8 +535,15 @@ impl Engine {
             // Its home is down: answered from the copy here once read back.
             return;
         }
-        if sid.is_some_and(|sid| self.claims.won.get(&sid).is_some_and(|&w| w > stamp)) {
-            // Made by a newer claim than this one: it stays.
+        let newer_live = sid.is_some_and(|sid| {
+            self.session(sid).is_some_and(|s| s.conn.is_some())
+                && self.claims.won.get(&sid).is_some_and(|&w| w > stamp)
+        });
+        if newer_live {
+            // Made by a newer claim than this one, and its connection lives: it stays. (One
+            // whose client left goes to the claimant, the client's latest connection: a
+            // claim's stamp is ordered after another node's claim only through what its
+            // owner heard, and an owner new to the partition may not have heard of it.)
             self.cluster
                 .queue_claim_answer(peer, client_id, stamp, &[], None, &[]);
             return;

@@ -4071,3 +4071,123 @@ fn what_a_cut_off_home_delivered_is_not_relayed_to_where_the_version_made_from_i
     assert_eq!(n.h[0].e.session_held("dev"), None);
     assert_eq!(n.h[1].e.session_held("dev"), None);
 }
+
+/// A long split: "s" made on node 2, which is then cut off (its client goes); the majority
+/// takes it over from the copy on `first` (under the old map, or the new one without node
+/// 2 if `new_map_first`), the client moves on to `second`, and node 2 comes back with its
+/// own old version. One version lives on, on `second`.
+fn a_long_split_heals_with_one_version(
+    owners: &[usize],
+    first: usize,
+    second: usize,
+    new_map_first: bool,
+) {
+    let (mut n, mut disks) = copying_nodes(3, owners, 5_000);
+    let s = connect_on(&mut n, 2, persistent_v5("s"));
+    n.h[2].subscribe(s, "cmd/#", QoS::AtLeastOnce);
+    settle_and_sync(&mut n, &mut disks);
+    n.cut_link(0, 2);
+    n.cut_link(1, 2);
+    let now = n.h[2].now;
+    n.h[2].e.closed(s, now);
+    for i in 0..3 {
+        tick_after(&mut n, i, 8_000);
+    }
+    let loads = |n: &mut Nodes, disks: &mut Vec<Disk>| {
+        for _ in 0..3 {
+            settle_and_sync(n, disks);
+            for (h, disk) in n.h.iter_mut().zip(disks.iter()).take(2) {
+                serve_copy_loads(h, disk);
+            }
+        }
+    };
+    if new_map_first {
+        for i in 0..2 {
+            set_map(&mut n, i, &[0, 1], 2);
+        }
+    }
+    loads(&mut n, &mut disks);
+    let a = n.h[first].open_connect(persistent_v5("s"));
+    loads(&mut n, &mut disks);
+    let got = n.h[first].recv_one(a);
+    assert!(connack(&got).session_present, "{got:?}");
+    if !new_map_first {
+        for i in 0..2 {
+            set_map(&mut n, i, &[0, 1], 2);
+        }
+        loads(&mut n, &mut disks);
+    }
+    let b = reconnect_elsewhere(&mut n, &mut disks, (first, a), second, "s");
+    // (Node `second` was not an owner when node `first` claimed: its claim's stamp may
+    // be older than that claim's. The client's connection there is gone all the same.)
+    let got = n.h[second].recv_one(b);
+    assert!(connack(&got).session_present, "{got:?}");
+    // Node 2 is back, and learns the map without it.
+    n.heal_link(0, 2);
+    n.heal_link(1, 2);
+    set_map(&mut n, 2, &[0, 1], 2);
+    settle_and_sync(&mut n, &mut disks);
+    for i in 0..3 {
+        tick_after(&mut n, i, 6_000);
+        settle_and_sync(&mut n, &mut disks);
+    }
+    let counts: Vec<usize> = (0..3).map(|i| n.h[i].e.session_count()).collect();
+    let fenced: Vec<u64> = (0..3).map(|i| n.h[i].e.replica_stats().fenced).collect();
+    assert_eq!(counts[second], 1, "sessions {counts:?}, fenced {fenced:?}");
+    assert_eq!(
+        counts.iter().sum::<usize>(),
+        1,
+        "sessions {counts:?}, fenced {fenced:?}"
+    );
+    assert!(n.h[second].recv_one(b).is_empty());
+}
+
+#[test]
+fn a_client_that_moves_on_after_a_long_split_resumes_and_one_version_lives_on() {
+    for owners in [[2, 0], [0, 2], [2, 1], [1, 2], [0, 1], [1, 0]] {
+        for (first, second) in [(0, 1), (1, 0)] {
+            for new_map_first in [false, true] {
+                a_long_split_heals_with_one_version(&owners, first, second, new_map_first);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_session_fenced_with_its_connection_open_gives_way_without_taking_the_newer_one_down() {
+    // "s" connected on node 0; a split long enough for node 1 to take it over from its
+    // copy, and the client (or a second device with its id) connects there too.
+    let (mut n, mut disks) = copying_nodes(2, &[0, 1], 5_000);
+    let old = connect_on(&mut n, 0, persistent_v5("s"));
+    n.h[0].subscribe(old, "cmd/#", QoS::AtLeastOnce);
+    settle_and_sync(&mut n, &mut disks);
+    n.cut_link(0, 1);
+    for i in 0..2 {
+        tick_after(&mut n, i, 8_000);
+    }
+    for _ in 0..3 {
+        settle_and_sync(&mut n, &mut disks);
+        serve_copy_loads(&mut n.h[1], &disks[1]);
+    }
+    let new = connect_on(&mut n, 1, persistent_v5("s"));
+    settle_and_sync(&mut n, &mut disks);
+    // Healed: node 0's version is the older one. Its connection closes with 0x8E, and
+    // storing the session on that close does not make it look newer than node 1's.
+    n.heal_link(0, 1);
+    settle_and_sync(&mut n, &mut disks);
+    for i in 0..2 {
+        tick_after(&mut n, i, 1_000);
+        settle_and_sync(&mut n, &mut disks);
+    }
+    n.h[0].recv();
+    assert!(n.h[0].closed.contains(&old));
+    n.h[1].recv();
+    assert!(!n.h[1].closed.contains(&new));
+    assert_eq!(n.h[0].e.session_count(), 0);
+    assert_eq!(n.h[1].e.session_count(), 1);
+    assert_eq!(n.h[1].e.replica_stats().fenced, 0);
+    let publisher = connect_on(&mut n, 0, super::tests::connect("p", Protocol::V5, true));
+    n.h[0].publish(publisher, "cmd/x", "after", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[1].recv_one(new)), ["after"]);
+}
