@@ -4081,6 +4081,7 @@ fn a_long_split_heals_with_one_version(
     first: usize,
     second: usize,
     new_map_first: bool,
+    healed: &[usize],
 ) {
     let (mut n, mut disks) = copying_nodes(3, owners, 5_000);
     let s = connect_on(&mut n, 2, persistent_v5("s"));
@@ -4122,10 +4123,14 @@ fn a_long_split_heals_with_one_version(
     // be older than that claim's. The client's connection there is gone all the same.)
     let got = n.h[second].recv_one(b);
     assert!(connack(&got).session_present, "{got:?}");
-    // Node 2 is back, and learns the map without it.
+    // Node 2 is back, and learns the map without it, then the one with it again.
     n.heal_link(0, 2);
     n.heal_link(1, 2);
     set_map(&mut n, 2, &[0, 1], 2);
+    settle_and_sync(&mut n, &mut disks);
+    for i in 0..3 {
+        set_map(&mut n, i, healed, 3);
+    }
     settle_and_sync(&mut n, &mut disks);
     for i in 0..3 {
         tick_after(&mut n, i, 6_000);
@@ -4147,7 +4152,16 @@ fn a_client_that_moves_on_after_a_long_split_resumes_and_one_version_lives_on() 
     for owners in [[2, 0], [0, 2], [2, 1], [1, 2], [0, 1], [1, 0]] {
         for (first, second) in [(0, 1), (1, 0)] {
             for new_map_first in [false, true] {
-                a_long_split_heals_with_one_version(&owners, first, second, new_map_first);
+                for healed in [[0, 1], [2, 0], [0, 2], [2, 1], [1, 2]] {
+                    eprintln!("{owners:?} {first} {second} {new_map_first} {healed:?}");
+                    a_long_split_heals_with_one_version(
+                        &owners,
+                        first,
+                        second,
+                        new_map_first,
+                        &healed,
+                    );
+                }
             }
         }
     }
