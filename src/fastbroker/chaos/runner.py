@@ -42,7 +42,7 @@ KEEPALIVE = 10
 CONNECT_TIMEOUT = 10.0
 IN_FLIGHT = 10
 # What the nemesis does to a node; "<fault>_long" lasts past the failure timeout.
-FAULTS = ("kill", "pause", "split", "kill_long", "pause_long", "split_long")
+FAULTS = ("kill", "pause", "split", "stop", "kill_long", "pause_long", "split_long", "stop_long")
 
 
 @dataclass(frozen=True)
@@ -217,6 +217,8 @@ class Run:
             apply, revert, reverted = {
                 "kill": (node.kill, node.start, "start"),
                 "pause": (node.pause, node.resume, "resume"),
+                # A planned stop (SIGTERM, waited for), as in a rolling restart.
+                "stop": (node.stop, node.start, "start"),
                 # Cut off from the other nodes; HAProxy still reaches it.
                 "split": (partial(network.split, [[number], rest]), network.heal, "heal"),
             }[kind]
