@@ -167,6 +167,10 @@ class Engine:
         """Turns the cluster part on; ``epoch`` is this process's incarnation (random,
         non-zero), so peers tell its batches from those of an earlier run; ``node`` is the
         node's id, the same on every start (it orders concurrent retained writes)."""
+    def cluster_require_map(self) -> None:
+        """CONNECTs are refused (0x88; 3.1.1: 0x03) until the first partition map is set: a
+        node that has not joined its cluster yet would make fresh sessions for clients
+        whose sessions live on in the cluster."""
     def cluster_add_peer(self, name: str) -> int:
         """The number of peer node ``name`` (the same for the same name), added if new."""
     def cluster_remove_peer(self, peer: int) -> None:

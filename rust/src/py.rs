@@ -320,6 +320,10 @@ impl PyEngine {
         self.inner.cluster_start(epoch, node)
     }
 
+    fn cluster_require_map(&mut self) {
+        self.inner.cluster_require_map()
+    }
+
     fn cluster_add_peer(&mut self, name: &str) -> u16 {
         self.inner.cluster_add_peer(name)
     }

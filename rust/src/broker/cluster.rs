@@ -431,6 +431,8 @@ struct Plan {
 pub(super) struct Cluster {
     /// This process's incarnation (0: the cluster part is off).
     epoch: u64,
+    /// CONNECTs wait for the first partition map (`cluster_require_map`).
+    pub(super) require_map: bool,
     /// The high half of the ids of messages published here (this node and incarnation),
     /// and the counter of the low half.
     message_origin: u64,
@@ -1140,6 +1142,13 @@ impl Engine {
         self.cluster.message_origin = (key ^ self.cluster.epoch.rotate_left(29)).max(1);
         self.cluster.start_wall = self.wall(self.last_now);
         self.retained_stamping(node);
+    }
+
+    /// CONNECTs are refused (0x88) until the first partition map: a node that has not
+    /// joined its cluster yet (a new one, or one that left and comes back) would otherwise
+    /// make a fresh session for a client whose session lives on in the cluster.
+    pub fn cluster_require_map(&mut self) {
+        self.cluster.require_map = true;
     }
 
     /// The number of peer `name`, added if new (the same number for the same name).

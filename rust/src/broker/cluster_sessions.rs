@@ -219,6 +219,11 @@ impl Engine {
         auth_data: Option<Bytes>,
         now: u64,
     ) {
+        if self.cluster.require_map && !self.replicas.has_map() {
+            self.refuse(id, 0x88, "this node has not joined its cluster yet");
+            self.claims.stats.refused_out_of_reach += 1;
+            return;
+        }
         if now < self.out_of_touch_until {
             // Its peers took this node for dead while it was stopped: a CONNECT read now
             // (perhaps queued before the pause, its client long gone) must not take the

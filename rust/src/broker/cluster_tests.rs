@@ -4205,3 +4205,21 @@ fn a_session_fenced_with_its_connection_open_gives_way_without_taking_the_newer_
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(payloads(&n.h[1].recv_one(new)), ["after"]);
 }
+
+#[test]
+fn a_node_that_has_not_joined_its_cluster_refuses_connects_until_its_first_map() {
+    // A node back after leaving, with an empty disk: no peer known yet, no map.
+    let mut h = Harness::with(durable());
+    h.e.cluster_start(7, "node0");
+    h.e.cluster_require_map();
+    let early = h.open_connect(persistent_v5("s"));
+    let got = h.recv_one(early);
+    assert_eq!(connack(&got).reason_code, 0x88, "{got:?}");
+    assert_eq!(h.e.session_count(), 0);
+    // Joined: the map makes it a member.
+    let now = h.now;
+    h.e.cluster_set_map(1, vec![vec![super::THIS_NODE]], now);
+    let later = h.open_connect(persistent_v5("s"));
+    let got = h.recv_one(later);
+    assert_eq!(connack(&got).reason_code, 0, "{got:?}");
+}

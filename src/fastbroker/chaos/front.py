@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fastbroker.admin import ADMIN_HEADER
+
 # MQTT 3.1.1 CONNECT, clean session, empty client id, keep alive 10 s; the answer a healthy
 # node gives is CONNACK "accepted". A paused or overloaded node that still accepts TCP
 # connections fails it.
@@ -156,9 +158,17 @@ class UnixHTTPConnection(http.client.HTTPConnection):
 def admin_get(path: str, resource: str, timeout: float = 1.0) -> Any:
     """GET `resource` of the admin endpoint behind Unix socket `path` (JSON), or None if it
     does not answer within `timeout`."""
+    return admin_request(path, "GET", resource, timeout)
+
+
+def admin_request(path: str, method: str, resource: str, timeout: float) -> Any:
+    """`method` `resource` of the admin endpoint behind Unix socket `path`: its JSON
+    answer, or None if it does not answer 200 within `timeout`."""
     connection = UnixHTTPConnection(path, timeout)
+    # The header the admin endpoint wants on a POST (as the CLI sends it).
+    headers = {ADMIN_HEADER: "1"} if method == "POST" else {}
     try:
-        connection.request("GET", resource)
+        connection.request(method, resource, headers=headers)
         response = connection.getresponse()
         if response.status != 200:
             return None

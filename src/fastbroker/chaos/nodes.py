@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastbroker.chaos.front import Front, admin_get
+from fastbroker.chaos.front import Front, admin_get, admin_request
 from fastbroker.chaos.network import Network
 
 MQTT_PORT = 21883
@@ -134,6 +135,23 @@ class NodeProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
+
+    def leave(self) -> None:
+        """`POST /cluster/leave` (scaling in: the node leaves the cluster, then stops by
+        itself), waited for; stopped if it did not leave within 15 s."""
+        if not self.running():
+            return
+        admin_request(self.admin_socket, "POST", "/cluster/leave", 15.0)
+        assert self.proc is not None
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.stop()
+
+    def join_afresh(self) -> None:
+        """Starts again with an empty data directory: a new node joins (scaling out)."""
+        shutil.rmtree(self.workdir / "data", ignore_errors=True)
+        self.start()
 
     def status(self) -> dict[str, Any] | None:
         """Its /cluster/status, or None if it does not answer within a second."""

@@ -42,7 +42,17 @@ KEEPALIVE = 10
 CONNECT_TIMEOUT = 10.0
 IN_FLIGHT = 10
 # What the nemesis does to a node; "<fault>_long" lasts past the failure timeout.
-FAULTS = ("kill", "pause", "split", "stop", "kill_long", "pause_long", "split_long", "stop_long")
+FAULTS = (
+    "kill",
+    "pause",
+    "split",
+    "stop",
+    "kill_long",
+    "pause_long",
+    "split_long",
+    "stop_long",
+    "leave",
+)
 
 
 @dataclass(frozen=True)
@@ -219,6 +229,9 @@ class Run:
                 "pause": (node.pause, node.resume, "resume"),
                 # A planned stop (SIGTERM, waited for), as in a rolling restart.
                 "stop": (node.stop, node.start, "start"),
+                # Scaling in, then out: it leaves the cluster (its partitions move to the
+                # others), and joins again as a new node with an empty disk.
+                "leave": (node.leave, node.join_afresh, "join"),
                 # Cut off from the other nodes; HAProxy still reaches it.
                 "split": (partial(network.split, [[number], rest]), network.heal, "heal"),
             }[kind]

@@ -35,6 +35,8 @@ class DataPlane:
         self.node_ids: dict[int, str] = {}
         # A new incarnation per start: peers tell our batches from an earlier run's by it.
         engine.cluster_start(int.from_bytes(os.urandom(8), "big") or 1, transport.node_id)
+        # Not a member until the first map (joining, or back after leaving): no sessions.
+        engine.cluster_require_map()
         server.cluster_output = self.send
         server.store_state_handler = self.store_failing
 
