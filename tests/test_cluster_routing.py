@@ -31,7 +31,7 @@ import pytest
 import rawmqtt as r
 from certs import make_ca, make_leaf
 from clusters import SECRET, Cluster, Node, run_subnet, wait_for
-from conftest import Client
+from conftest import Client, MqttError
 
 from fastbroker.cluster.dataplane import DATA
 from fastbroker.cluster.partitions import compute_map, partition_of
@@ -406,8 +406,19 @@ def serving(node: Node) -> bool:
 
 def retained_values(node: Node, filter_: str, quiet: float = 0.5) -> dict[str, bytes]:
     """topic -> payload of what a new subscriber to `filter_` on `node` gets as retained."""
-    reader = Client(endpoint(node), client_id=unique("rread"), version=5)
-    reader.connect()
+    # A node that opened its port but has not the cluster's map yet refuses with 0x88
+    # (a joining node makes no sessions): a client tries again, as this one does.
+    deadline = time.monotonic() + 10
+    while True:
+        reader = Client(endpoint(node), client_id=unique("rread"), version=5)
+        try:
+            reader.connect()
+            break
+        except MqttError:
+            reader.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
     reader.subscribe(filter_, qos=0)
     got = {m.topic: m.payload for m in reader.drain(quiet)}
     reader.disconnect()
