@@ -354,3 +354,65 @@ def test_the_command_prints_one_verdict_and_exits_1_on_anomalies(tmp_path):
     refused = run(broken)
     assert refused.returncode == 2
     assert "line 1: not JSON" in refused.stderr
+
+
+def test_recovery_figures_per_fault_and_per_kind():
+    """From the history alone: how long the cluster took to be whole after each fault, and
+    the longest any publisher went unacknowledged, any subscriber without a message and
+    any client waited for a CONNACK, between the fault and the cluster whole again."""
+    run = clean_run()
+
+    def at(t: float, process: str, kind: str, f: str, **value: Any) -> None:
+        run.now = t - 0.001
+        run.op(process, kind, f, **value)
+
+    value = {"client": "p", "topic": "a/1", "qos": 1, "retain": False}
+    for t in (10.0, 10.1, 10.2, 13.5, 13.6):  # acknowledged publishes: a 3.3 s gap
+        at(t, "p", "ok", "publish", id=f"x{t}", **value)
+    # Receives: a gap from 11.05 s to past the window's end (13.75 s): 2.7 s.
+    for t in (10.05, 11.05, 14.0):
+        at(t, "s1", "info", "receive", client="s1", topic="a/1", qos=1, id=f"x{t}")
+    for t in (10.2, 11.5, 12.5, 13.5, 60.0):
+        at(t, "s2", "info", "receive", client="s2", topic="a/1", qos=1, id=f"x{t}")
+    at(10.5, "nemesis", "info", "kill", node="n2", seconds=1.5)
+    at(12.0, "nemesis", "info", "start", node="n2")
+    at(12.5, "s2", "ok", "connect", client="s2", node="front", session_present=True, waited=1.25)
+    at(13.75, "nemesis", "info", "converged", node="n2", after=1.75)
+    at(20.0, "nemesis", "info", "split", node="n1", seconds=2.0)
+    at(22.0, "nemesis", "info", "heal", node="n1")
+    at(52.0, "nemesis", "info", "not_converged", node="n1")
+    at(60.0, "nemesis", "info", "kill", node="n3", seconds=1.5)
+    at(61.5, "nemesis", "info", "start", node="n3")
+    at(62.0, "nemesis", "info", "converged", node="n3", after=0.5)
+
+    result = check(run.ops())
+    assert result.valid, result.details
+    kill, split, kill2 = result.recovery
+    assert (kill.fault, kill.node, kill.lasted, kill.whole_after) == ("kill", "n2", 1.5, 1.75)
+    assert kill.publish_gap == 3.3
+    assert kill.receive_gap == 2.7
+    assert kill.connect_wait == 1.25
+    assert (split.fault, split.whole_after) == ("split", None)
+    # Nothing after 14 s: the gap runs to the end of the window (52 s).
+    assert split.publish_gap == 52.0 - 13.6
+    kinds = result.to_dict()["recovery_by_kind"]
+    assert kinds["kill"]["count"] == 2 and kinds["kill"]["whole_after_max"] == 1.75
+    assert kinds["split"]["whole_after_max"] is None
+    assert kill2.whole_after == 0.5
+
+
+def test_the_command_prints_recovery_figures_before_the_verdict(tmp_path):
+    run = clean_run()
+    run.op("nemesis", "info", "pause", node="n1", seconds=1.5)
+    run.op("nemesis", "info", "resume", node="n1")
+    run.op("nemesis", "info", "converged", node="n1", after=0.25)
+    path = tmp_path / "h.jsonl"
+    path.write_text(run.out.getvalue())
+    cmd = [sys.executable, "-m", "fastbroker.chaos", "check", str(path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("recovery (s): fault node at lasted whole_after")
+    assert lines[1].startswith("  pause n1 ")
+    assert any(line.startswith("  pause 1 0.25 ") for line in lines)
+    assert lines[-1].startswith("VALID: ")

@@ -50,3 +50,26 @@ def test_the_short_schedule_shows_no_anomaly(tmp_path):
     moves = [op for op in ops if op.f == "connect" and op.type == "ok" and op.process[0] == "s"]
     assert len(moves) > 3
     assert all(op.value["session_present"] for op in moves[3:])
+
+
+def test_the_disk_fault_fills_a_nodes_data_directory_and_gives_the_space_back(tmp_path):
+    """The nemesis's `disk` fault on a node's own tmpfs (no node process needed): while it
+    lasts a write there fails with ENOSPC; afterwards it succeeds."""
+    import errno
+
+    from fastbroker.chaos.nodes import NodeProcess
+
+    node = NodeProcess("n1", "10.0.0.1", tmp_path / "n1", {}, lambda argv: argv, "")
+    node.mount_disk()
+    try:
+        node.data_dir.mkdir()
+        probe = node.data_dir / "probe"
+        node.fill_disk()
+        with pytest.raises(OSError) as full:
+            probe.write_bytes(b"x" * 65536)
+        assert full.value.errno == errno.ENOSPC
+        node.empty_disk()
+        probe.write_bytes(b"x" * 65536)
+    finally:
+        node.unmount_disk()
+    assert not os.path.ismount(node.disk)

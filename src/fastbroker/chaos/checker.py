@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastbroker.chaos.history import Op
+from fastbroker.chaos.recovery import Recovery, by_kind, measure
 
 ANOMALIES = (
     "lost",
@@ -81,6 +82,8 @@ class Result:
     details: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     exceptions: dict[str, int] = field(default_factory=lambda: {"dropped": 0, "degraded": 0})
     counts: dict[str, int] = field(default_factory=dict)
+    # Not anomalies: how long each fault hurt (recovery.py).
+    recovery: list[Recovery] = field(default_factory=list)
 
     @property
     def valid(self) -> bool:
@@ -106,6 +109,8 @@ class Result:
             "details": dict(self.details),
             "exceptions": self.exceptions,
             "counts": self.counts,
+            "recovery": [r.to_dict() for r in self.recovery],
+            "recovery_by_kind": by_kind(self.recovery),
         }
 
 
@@ -195,8 +200,9 @@ class History:
 
 
 def check(ops: Iterable[Op]) -> Result:
+    ops = list(ops)
     h = History(ops)
-    result = Result()
+    result = Result(recovery=measure(ops))
     received: dict[str, Counter[str]] = defaultdict(Counter)
     received_new: dict[str, Counter[str]] = defaultdict(Counter)
     qos2: dict[str, set[str]] = defaultdict(set)

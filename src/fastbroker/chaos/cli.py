@@ -9,6 +9,7 @@ import click
 
 from fastbroker.chaos.checker import Result, check
 from fastbroker.chaos.history import HistoryError, read
+from fastbroker.chaos.recovery import table
 from fastbroker.chaos.runner import FAULTS
 
 EXIT_ANOMALIES = 1
@@ -63,8 +64,8 @@ def run_command(
     nodes: int, seconds: float, seed: int, rate: float, faults: str, workdir: Path, as_json: bool
 ) -> None:
     """Runs a seeded schedule against a cluster of NODES real nodes in network namespaces
-    behind HAProxy (kills, pauses and splits, one at a time; needs root, haproxy, nftables),
-    records the history in WORKDIR/history.jsonl and checks it."""
+    behind HAProxy (kills, stops, pauses, splits, leaves and full disks, one at a time; needs
+    root, haproxy, nftables), records the history in WORKDIR/history.jsonl and checks it."""
     from fastbroker.chaos.front import Front
     from fastbroker.chaos.network import Network
     from fastbroker.chaos.runner import Run, Schedule
@@ -86,11 +87,13 @@ def run_command(
 
 
 def report(result: Result, as_json: bool) -> None:
-    """Prints the result (the first instances of each anomaly, then the verdict line) and
-    exits 1 if it is not valid."""
+    """Prints the result (how long each fault hurt, the first instances of each anomaly,
+    then the verdict line) and exits 1 if it is not valid."""
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True))
     else:
+        for line in table(result.recovery):
+            click.echo(line)
         for kind, details in result.details.items():
             for detail in details:
                 click.echo(f"  {kind}: {detail}")

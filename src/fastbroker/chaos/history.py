@@ -31,7 +31,10 @@ name, or ``"nemesis"``), ``type`` and ``f`` (what), and ``value``:
                   that node's data was then destroyed.
   ==============  ==========================================================================
 
-  The nemesis's records (``kill``, ``pause``, ``split``, ``heal``...) are kept as they are.
+  The nemesis's records are kept as they are: a fault (``kill``, ``split``, ``disk``...,
+  with ``node`` and ``seconds``), its end (``start``, ``resume``, ``heal``, ``join``,
+  ``space``), then ``converged`` (``after``: seconds until the cluster was whole again) or
+  ``not_converged``; the recovery figures are made from them (``recovery.py``).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ signalled."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -23,6 +24,8 @@ from fastbroker.chaos.network import Network
 MQTT_PORT = 21883
 CLUSTER_PORT = 27883
 ADMIN_PORT = 28830
+# Each node's data directory is on a tmpfs of this size (the disk fault fills it).
+DISK_SIZE = "512m"
 
 
 def toml_value(value: Any) -> str:
@@ -57,6 +60,57 @@ class NodeProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.paused = False
         workdir.mkdir(parents=True, exist_ok=True)
+        # The data directory lives on a tmpfs of its own, so that the nemesis can fill it
+        # (`fill_disk`) without touching the host's disks.
+        self.disk = workdir / "disk"
+        self.mounted = False
+
+    @property
+    def data_dir(self) -> Path:
+        return self.disk / "data"
+
+    @property
+    def ballast(self) -> Path:
+        return self.disk / "ballast"
+
+    def mount_disk(self) -> None:
+        self.disk.mkdir(exist_ok=True)
+        argv = ["mount", "-t", "tmpfs", "-o", f"size={DISK_SIZE}", "tmpfs", str(self.disk)]
+        subprocess.run(argv, check=True, capture_output=True, timeout=10)
+        self.mounted = True
+
+    def unmount_disk(self) -> None:
+        """Unmounts its tmpfs (the node's log stays in its work directory)."""
+        if not self.mounted:
+            return
+        done = subprocess.run(["umount", str(self.disk)], capture_output=True, timeout=10)
+        if done.returncode != 0:
+            subprocess.run(["umount", "-l", str(self.disk)], capture_output=True, timeout=10)
+        self.mounted = False
+
+    def fill_disk(self) -> None:
+        """Takes every free byte of its data directory's file system: the node's writes
+        fail with ENOSPC until `empty_disk`."""
+        stat = os.statvfs(self.disk)
+        chunk = stat.f_bavail * stat.f_frsize
+        size = 0
+        fd = os.open(self.ballast, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            # What statvfs calls free is not all allocatable (tmpfs keeps some back), and
+            # the node writes meanwhile: take chunks, halving on ENOSPC, down to a page.
+            while chunk >= 4096:
+                try:
+                    os.posix_fallocate(fd, size, chunk)
+                    size += chunk
+                except OSError as error:
+                    if error.errno != errno.ENOSPC:
+                        raise
+                    chunk //= 2
+        finally:
+            os.close(fd)
+
+    def empty_disk(self) -> None:
+        self.ballast.unlink(missing_ok=True)
 
     @property
     def cluster_address(self) -> str:
@@ -71,7 +125,7 @@ class NodeProcess:
             f"port = {MQTT_PORT}",
             'proxy_protocol = "v2"',
             "[storage]",
-            f"data_dir = {toml_value(str(self.workdir / 'data'))}",
+            f"data_dir = {toml_value(str(self.data_dir))}",
             "[log]",
             'level = "info"',
             "[admin]",
@@ -150,7 +204,7 @@ class NodeProcess:
 
     def join_afresh(self) -> None:
         """Starts again with an empty data directory: a new node joins (scaling out)."""
-        shutil.rmtree(self.workdir / "data", ignore_errors=True)
+        shutil.rmtree(self.data_dir, ignore_errors=True)
         self.start()
 
     def status(self) -> dict[str, Any] | None:
@@ -201,6 +255,7 @@ class Nodes:
         self.network.create()
         self.front.start(die_with_parent)
         for node in self.nodes:
+            node.mount_disk()
             node.start()
         self.wait_converged(timeout)
 
@@ -240,6 +295,8 @@ class Nodes:
                 node.stop()
             self.front.stop()
         finally:
+            for node in self.nodes:
+                node.unmount_disk()
             self.network.delete()
             for path in self.sockets.iterdir():
                 path.unlink()

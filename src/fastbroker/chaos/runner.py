@@ -1,12 +1,12 @@
 """A fault-injection run: a cluster of real nodes in network namespaces behind HAProxy,
 persistent subscribers and publishers (paho-mqtt, through HAProxy) that record everything
-they do and see, and a nemesis that kills, pauses and cuts off nodes on a seeded schedule.
-The history goes to a file; the checker judges it.
+they do and see, and a nemesis that kills, stops, pauses, cuts off, removes and adds nodes
+and fills their disks on a seeded schedule. The history goes to a file; the checker judges
+it.
 
-One fault at a time, each shorter than the failure timeout, so the cluster keeps its
-majority; a split's links can stay silent longer than the split (TCP's retransmission
-backoff), and then the node is removed and added again (docs/chaos.md). Faults chosen to
-outlast the failure timeout, and adding and removing nodes, are not in this schedule yet.
+One fault at a time, so the cluster keeps its majority; "<fault>_long" outlasts the failure
+timeout (the node is removed and added again), and a short split's links can stay silent
+longer than the split (TCP's retransmission backoff), with the same effect (docs/chaos.md).
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ FAULTS = (
     "split_long",
     "stop_long",
     "leave",
+    "disk",
+    "disk_long",
 )
 
 
@@ -234,10 +236,13 @@ class Run:
                 "leave": (node.leave, node.join_afresh, "join"),
                 # Cut off from the other nodes; HAProxy still reaches it.
                 "split": (partial(network.split, [[number], rest]), network.heal, "heal"),
+                # Its data directory's file system full (every free byte taken), then
+                # space again: it refuses what it cannot store and recovers by itself.
+                "disk": (node.fill_disk, node.empty_disk, "space"),
             }[kind]
             if fault != kind:
                 lasts = s.long_for
-            elif kind == "split":
+            elif kind in ("split", "disk"):
                 lasts = rng.uniform(*s.split_for)
             else:
                 lasts = s.fault_for
@@ -246,11 +251,16 @@ class Run:
             time.sleep(lasts)
             revert()
             self.record("nemesis", "info", reverted, node=node.node_id)
-            # The next fault only once the cluster is whole again.
+            # The next fault only once the cluster is whole again (how long that took is
+            # one of the recovery figures: chaos/recovery.py).
             try:
-                self.cluster.wait_converged(30)
+                after = self.cluster.wait_converged(30)
             except TimeoutError:
                 self.record("nemesis", "info", "not_converged", node=node.node_id)
+            else:
+                self.record(
+                    "nemesis", "info", "converged", node=node.node_id, after=round(after, 3)
+                )
 
 
 class Connection:
