@@ -420,6 +420,11 @@ struct Plan {
     /// here that took it (local delivery fills it).
     lagging: bool,
     taken: Vec<Arc<str>>,
+    /// Some peer of protocol 11 or later may get it: a QoS 2 delivery here is listed to
+    /// every such peer, lagging or not (`Cluster::note_taken`).
+    listable: bool,
+    /// `taken` goes to every peer of protocol 11 or later, not only to lagging ones.
+    taken_everywhere: bool,
     /// Shared subscriptions matched on other nodes: the key, its peers, and whether local
     /// delivery has decided it already.
     groups: Vec<(Box<str>, Vec<PeerId>, bool)>,
@@ -481,13 +486,28 @@ impl Cluster {
         self.plan.lagging
     }
 
+    /// Whether a QoS 2 delivery of the message being routed is to be listed as taken
+    /// (`Plan::listable`).
+    pub(super) fn listable_plan(&self) -> bool {
+        self.plan.listable
+    }
+
     /// A session here with a copy elsewhere (client `client`) took the message being
-    /// routed: listed for lagging peers, `TAKEN_MAX` at most (past that, a version made
+    /// routed: listed for lagging peers, or, with `everywhere` (a QoS 2 delivery), for
+    /// every peer of protocol 11 or later: a split that begins as the message goes out
+    /// is noticed only `LAGGING_MS` later, and a version made meanwhile from a copy on the
+    /// other side must not deliver it again. `TAKEN_MAX` at most (past that, a version made
     /// on one of them may get it twice).
-    pub(super) fn note_taken(&mut self, client: Arc<str>) {
+    pub(super) fn note_taken(&mut self, client: Arc<str>, everywhere: bool) {
+        self.plan.taken_everywhere |= everywhere;
         if self.plan.taken.len() < batch::TAKEN_MAX {
             self.plan.taken.push(client);
         }
+    }
+
+    /// Whether some peer lags (`Peer::lagging`).
+    pub(super) fn any_lagging(&self, now: u64) -> bool {
+        self.peers.iter().flatten().any(|p| p.lagging(now))
     }
 
     /// Whether the message just routed was queued for a peer whose link is down (and will be
@@ -1905,6 +1925,8 @@ impl Engine {
         c.plan.groups.clear();
         c.plan.assigned.clear();
         c.plan.lagging = false;
+        c.plan.listable = false;
+        c.plan.taken_everywhere = false;
         c.plan.taken.clear();
         if c.epoch == 0
             || c.peers.is_empty()
@@ -1936,6 +1958,7 @@ impl Engine {
         let c = &mut self.cluster;
         // Any peer it may go to (a shared group's member is picked later).
         c.plan.lagging = remote && c.peers.iter().flatten().any(|p| p.lagging(now));
+        c.plan.listable = remote && c.peers.iter().flatten().any(|p| p.protocol >= 11);
         remote
     }
 
@@ -1989,7 +2012,10 @@ impl Engine {
                 .collect();
             // Message ids are for peers of protocol 5 (older ones refuse the flag).
             let with_id = msg.id != 0 && c.peer_ref(id).is_some_and(|p| p.protocol >= 5);
-            let taken = !c.plan.taken.is_empty() && c.peer_ref(id).is_some_and(|p| p.lagging(now));
+            let everywhere = c.plan.taken_everywhere;
+            let taken = !c.plan.taken.is_empty()
+                && c.peer_ref(id)
+                    .is_some_and(|p| p.lagging(now) || (everywhere && p.protocol >= 11));
             if !groups.is_empty() || cached != Some((plain, with_id, taken)) {
                 cached = groups.is_empty().then_some((plain, with_id, taken));
                 item.clear();

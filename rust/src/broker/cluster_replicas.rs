@@ -34,7 +34,7 @@
 //! - **A map change** streams copies to the owners a partition gained, and the former owners
 //!   keep theirs until then: `cluster_streams`.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use super::cluster::PeerId;
@@ -138,6 +138,22 @@ const WATCH_MS: u64 = 2_000;
 /// the ids it took (`cluster_sessions::RECENT_MS`), for clocks a little apart.
 const OWN_RELAY_MS: u64 = 20_000;
 
+/// How long a QoS 2 delivery listed to peers that did not lag (`Listing::Qos2`) is
+/// remembered, in case one of them turns out to have been cut off as it went: well past
+/// `LAGGING_MS` and the 100 ms tick that notices. At most `LISTED_MAX` of them.
+const LISTED_KEEP_MS: u64 = 2_000;
+const LISTED_MAX: usize = 65_536;
+
+/// Why a delivery of the message being routed is listed as taken to peers.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Listing {
+    No,
+    /// A peer lags: the session's messages from here on are ones only it may have.
+    Lagging,
+    /// A QoS 2 delivery, listed whether or not a peer lags.
+    Qos2,
+}
+
 /// What a copy is being read back from the store for.
 enum Use {
     /// Answer the claim of `peer` with `stamp`.
@@ -206,6 +222,10 @@ pub(super) struct Replicas {
     /// The client and map version `copy_refused` was last logged for: once for a burst of
     /// one session's operations (a rebalance sends dozens at once).
     refused_logged: Option<(Arc<str>, u64)>,
+    /// Recent QoS 2 deliveries listed to peers that did not lag: (when, session, client
+    /// id, its store number). Should a peer turn out to lag, their sessions count as
+    /// taken from there on (`promote_listed`).
+    listed: VecDeque<(u64, SessionId, Arc<str>, u64)>,
     pub(super) stats: ReplicaStats,
 }
 
@@ -765,12 +785,15 @@ impl Engine {
     /// session's client id as `taken` (its version of the session took it while the two
     /// nodes were cut off: it lives on there, or merges into this one or the one this relays
     /// to with what its client did not get, `give_up`). Else, with `listing` (published
-    /// here, at QoS 1/2, while a peer lags), a persistent session here is listed as taken.
+    /// here, at QoS 1/2 while a peer lags, or at QoS 2), a persistent session here is
+    /// listed as taken; while a peer lags, its messages from here on are ones only it may
+    /// have (`taken_from_seq`).
     pub(super) fn taken_elsewhere(
         &mut self,
         sid: SessionId,
         taken: &[&str],
-        listing: bool,
+        listing: Listing,
+        now: u64,
     ) -> bool {
         let relaying = self.claims.relaying(sid);
         let Some(s) = self.session_mut(sid) else {
@@ -780,14 +803,42 @@ impl Engine {
             self.replicas.stats.taken_elsewhere += 1;
             return true;
         }
-        if listing && s.stamp.is_some() && !relaying {
-            if s.taken_from_seq == 0 {
-                s.taken_from_seq = s.next_seq + 1;
-            }
+        if listing != Listing::No && s.stamp.is_some() && !relaying {
+            let seq = s.next_seq + 1;
             let client = s.client_id.clone();
-            self.cluster.note_taken(client);
+            if listing == Listing::Lagging {
+                if s.taken_from_seq == 0 {
+                    s.taken_from_seq = seq;
+                }
+            } else {
+                let listed = &mut self.replicas.listed;
+                while listed
+                    .front()
+                    .is_some_and(|l| l.0 + LISTED_KEEP_MS < now || listed.len() >= LISTED_MAX)
+                {
+                    listed.pop_front();
+                }
+                listed.push_back((now, sid, client.clone(), seq));
+            }
+            self.cluster.note_taken(client, listing == Listing::Qos2);
         }
         false
+    }
+
+    /// A peer lags: the QoS 2 deliveries listed lately may have gone to it just as it was
+    /// cut off, so their sessions' messages from those on are ones only they may have, as
+    /// if listed while it lagged (`taken_elsewhere`). Each tick.
+    fn promote_listed(&mut self, now: u64) {
+        if self.replicas.listed.is_empty() || !self.cluster.any_lagging(now) {
+            return;
+        }
+        for (_, sid, client, seq) in std::mem::take(&mut self.replicas.listed) {
+            if let Some(s) = self.session_mut(sid).filter(|s| s.client_id == client) {
+                if s.taken_from_seq == 0 || s.taken_from_seq > seq {
+                    s.taken_from_seq = seq;
+                }
+            }
+        }
     }
 
     /// Hands session `sid` to `to`, where version `newer` of it lives, if that version is
@@ -1185,6 +1236,7 @@ impl Engine {
     /// Looks for copies whose home has been down for the takeover time and that this node
     /// is the first owner up to take over (at most once per down period of a peer).
     pub(super) fn replicas_tick(&mut self, now: u64) {
+        self.promote_listed(now);
         self.stream_copies();
         self.watch_copies(now);
         if !self.replicas.unconfirmed.is_empty() {

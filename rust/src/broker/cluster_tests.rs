@@ -4072,6 +4072,122 @@ fn what_a_cut_off_home_delivered_is_not_relayed_to_where_the_version_made_from_i
     assert_eq!(n.h[1].e.session_held("dev"), None);
 }
 
+/// Node 0 homes "dev" (QoS 2) and its publisher; the split begins silently (frames lost,
+/// links up) just as "m1" and "m2" go out, before node 0 counts its peers as lagging
+/// (`LAGGING_MS`); then the links are found down. With `delivered`, dev gets both on node 0
+/// and completes their QoS 2 flows there; else its connection is gone first and they wait
+/// there. Dev lands on node 1, which resumes it from its copy (which never got them), and
+/// the split heals `later_ms` after. Returns node 1's dev connection and other subscriber.
+fn dev_split_as_qos2_goes_out(
+    delivered: bool,
+    later_ms: u64,
+) -> (Nodes, crate::broker::ConnId, crate::broker::ConnId) {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
+    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
+    n.h[0].subscribe(dev, "cmd/#", QoS::ExactlyOnce);
+    let other = connect_on(
+        &mut n,
+        1,
+        super::tests::connect("other", Protocol::V5, true),
+    );
+    n.h[1].subscribe(other, "cmd/#", QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 0, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    n.h[0].recv();
+    n.h[1].recv();
+    if !delivered {
+        let now = n.h[0].now;
+        n.h[0].e.closed(dev, now);
+        settle_and_sync(&mut n, &mut disks);
+    }
+    for (a, b) in [(0, 1), (1, 0), (0, 2), (2, 0)] {
+        n.mute.push((a, b));
+    }
+    for (pkid, m) in [(1, "m1"), (2, "m2")] {
+        let packet = super::tests::publish_packet("cmd/dev", m, QoS::ExactlyOnce, false, pkid);
+        n.h[0].send(publisher, Packet::Publish(packet));
+    }
+    settle_and_sync(&mut n, &mut disks);
+    n.mute.clear();
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    let mut got_on_0 = Vec::new();
+    for _ in 0..5 {
+        let now = n.h[0].now + 100;
+        n.h[0].now = now;
+        n.h[0].e.tick(now);
+        settle_and_sync(&mut n, &mut disks);
+        if !delivered {
+            continue;
+        }
+        let got = n.h[0].recv_one(dev);
+        for p in publishes(&got) {
+            got_on_0.push(String::from_utf8_lossy(&p.payload).into_owned());
+            let ack = |pkid| crate::codec::Ack {
+                pkid,
+                reason_code: 0,
+                properties: None,
+            };
+            n.h[0].send(dev, Packet::PubRec(ack(p.pkid)));
+            settle_and_sync(&mut n, &mut disks);
+            let rel = n.h[0].recv_one(dev);
+            assert!(matches!(rel.as_slice(), [Packet::PubRel(_)]), "{rel:?}");
+            n.h[0].send(dev, Packet::PubComp(ack(p.pkid)));
+            settle_and_sync(&mut n, &mut disks);
+        }
+    }
+    if delivered {
+        assert_eq!(got_on_0, ["m1", "m2"]);
+        let now = n.h[0].now;
+        n.h[0].e.closed(dev, now);
+    }
+    let back = n.h[1].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(serve_copy_loads(&mut n.h[1], &disks[1]), 1);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[1].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert!(payloads(&got[1..]).is_empty(), "{got:?}");
+    for i in 0..3 {
+        tick_after(&mut n, i, later_ms);
+    }
+    n.heal_link(0, 1);
+    n.heal_link(0, 2);
+    settle_and_sync(&mut n, &mut disks);
+    (n, back, other)
+}
+
+#[test]
+fn qos2_a_cut_off_home_delivered_as_the_split_began_is_not_delivered_again_after_the_heal() {
+    // Traced in the fault-injection run (seed 13): QoS 2 messages routed in a split's first
+    // 100 ms went to the other side unlisted and were delivered again there by the version
+    // made from the copy. A QoS 2 delivery is now listed whether or not a peer lags.
+    for later_ms in [0, 25_000] {
+        let (mut n, back, other) = dev_split_as_qos2_goes_out(true, later_ms);
+        let got = n.h[1].recv();
+        assert!(
+            payloads(got.get(&back).map_or(&[][..], |g| g)).is_empty(),
+            "{got:?}"
+        );
+        assert_eq!(payloads(&got[&other]), ["m1", "m2"], "{later_ms}");
+        assert_eq!(n.h[0].e.session_held("dev"), None);
+        assert_eq!(n.h[1].e.session_held("dev"), Some(true));
+    }
+}
+
+#[test]
+fn qos2_a_cut_off_home_kept_as_the_split_began_is_handed_over_however_long_the_split() {
+    // The other half: listed there, so node 1 skips them, and only node 0's version has
+    // them; node 0 hands them over also past `OWN_RELAY_MS`, because a lagging peer makes
+    // the recent listings count as taken from there on (`promote_listed`).
+    for later_ms in [0, 25_000] {
+        let (mut n, back, _) = dev_split_as_qos2_goes_out(false, later_ms);
+        let got = n.h[1].recv_one(back);
+        assert_eq!(payloads(&got), ["m1", "m2"], "{later_ms}");
+        assert_eq!(n.h[0].e.session_held("dev"), None);
+    }
+}
+
 /// A long split: "s" made on node 2, which is then cut off (its client goes); the majority
 /// takes it over from the copy on `first` (under the old map, or the new one without node
 /// 2 if `new_map_first`), the client moves on to `second`, and node 2 comes back with its

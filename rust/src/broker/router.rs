@@ -9,6 +9,7 @@ use bytes::Bytes;
 
 use super::acl;
 use super::cluster::PeerId;
+use super::cluster_replicas::Listing;
 use super::state::{AwaitingAck, ConnState, Delivery, Inflight, Message, SessionId};
 use super::{ConnId, Engine};
 use crate::cluster::batch::Stamp;
@@ -416,12 +417,22 @@ impl Engine {
             Scope::Forwarded { taken, .. } => taken,
             Scope::Origin => &[],
         };
-        let list_taken = matches!(scope, Scope::Origin) && self.cluster.lagging_plan();
+        let origin = matches!(scope, Scope::Origin);
+        let list_lagging = origin && self.cluster.lagging_plan();
+        let list_qos2 = origin && self.cluster.listable_plan();
         for (i, (sid, opts, ids)) in scratch.targets.drain(..).enumerate() {
             let qos = msg.qos.min(opts.qos);
             let retain = msg.retain && opts.retain_as_published;
-            let listing = list_taken && qos != QoS::AtMostOnce;
-            if (listing || !taken.is_empty()) && self.taken_elsewhere(sid, taken, listing) {
+            let listing = if list_lagging && qos != QoS::AtMostOnce {
+                Listing::Lagging
+            } else if list_qos2 && qos == QoS::ExactlyOnce {
+                Listing::Qos2
+            } else {
+                Listing::No
+            };
+            if (listing != Listing::No || !taken.is_empty())
+                && self.taken_elsewhere(sid, taken, listing, now)
+            {
                 continue;
             }
             if self.claims.relaying(sid) {
