@@ -171,6 +171,11 @@ class Engine:
         """CONNECTs are refused (0x88; 3.1.1: 0x03) until the first partition map is set: a
         node that has not joined its cluster yet would make fresh sessions for clients
         whose sessions live on in the cluster."""
+    def cluster_store_recovered(self, now_ms: int) -> None:
+        """This node's store works again after failing (a full disk): CONNECTs are refused
+        (0x88) until the map changes or the failure timeout passes, as after a pause: its
+        peers took it for dead meanwhile, and a CONNECT held unread must not take a
+        session over from where it lives on now."""
     def cluster_add_peer(self, name: str) -> int:
         """The number of peer node ``name`` (the same for the same name), added if new."""
     def cluster_remove_peer(self, peer: int) -> None:

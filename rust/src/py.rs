@@ -324,6 +324,10 @@ impl PyEngine {
         self.inner.cluster_require_map()
     }
 
+    fn cluster_store_recovered(&mut self, now_ms: u64) {
+        self.inner.cluster_store_recovered(now_ms)
+    }
+
     fn cluster_add_peer(&mut self, name: &str) -> u16 {
         self.inner.cluster_add_peer(name)
     }

@@ -225,10 +225,10 @@ impl Engine {
             return;
         }
         if now < self.out_of_touch_until {
-            // Its peers took this node for dead while it was stopped: a CONNECT read now
-            // (perhaps queued before the pause, its client long gone) must not take the
-            // client's session over from where it lives on.
-            let why = "this node is catching up with the cluster after a pause";
+            // Its peers took this node for dead while it was stopped (or its store failed):
+            // a CONNECT read now (perhaps queued before, its client long gone) must not take
+            // the client's session over from where it lives on.
+            let why = "this node is catching up with the cluster after a pause or a full disk";
             self.refuse(id, 0x88, why);
             self.claims.stats.refused_out_of_reach += 1;
             return;
@@ -412,15 +412,29 @@ impl Engine {
         let limit = self.cfg.cluster_takeover_ms;
         let gap = now.saturating_sub(self.last_now);
         if limit > 0 && self.last_now != 0 && gap >= limit && self.cluster.epoch_of() != 0 {
-            self.out_of_touch_until = now + limit;
-            self.out_of_touch_map = self.replicas.map_version();
-            self.event(
-                "resumed_after_pause",
-                Arc::from(""),
-                format!("no time passed here for {gap} ms: CONNECTs refused until in touch"),
-            );
+            let detail =
+                format!("no time passed here for {gap} ms: CONNECTs refused until in touch");
+            self.out_of_touch(now, "resumed_after_pause", detail);
         }
         self.last_now = now;
+    }
+
+    /// This node's store failed for a while (a full disk) and works again. Meanwhile its
+    /// data links were closed, so its peers took it for dead, as after a pause: a CONNECT
+    /// held unread while the store failed (its client perhaps gone through the load
+    /// balancer to another node long since) must not take that client's session over from
+    /// where it lives on now. CONNECTs are refused as after a pause (`observe_time`).
+    pub fn cluster_store_recovered(&mut self, now: u64) {
+        if self.cfg.cluster_takeover_ms > 0 && self.cluster.epoch_of() != 0 {
+            let detail = "its store failed for a while: CONNECTs refused until in touch";
+            self.out_of_touch(now, "store_recovered", detail.to_string());
+        }
+    }
+
+    fn out_of_touch(&mut self, now: u64, event: &'static str, detail: String) {
+        self.out_of_touch_until = now + self.cfg.cluster_takeover_ms;
+        self.out_of_touch_map = self.replicas.map_version();
+        self.event(event, Arc::from(""), detail);
     }
 
     /// A fresh session here would lose the client's subscriptions and queue, which may live

@@ -3952,6 +3952,36 @@ fn a_node_resumed_after_a_pause_refuses_connects_until_the_map_changes() {
 }
 
 #[test]
+fn a_node_whose_store_failed_refuses_connects_until_in_touch_again() {
+    // Found by the fault-injection run's full disks: node 0 read, as its store worked
+    // again, a CONNECT held unread while it failed (its client gone to node 1 meanwhile)
+    // and took the client's session over from there; the hand-overs back and forth
+    // delivered QoS 2 messages twice.
+    let (mut n, mut disks) = copying_nodes(3, &[1, 2], 5_000);
+    let dev = connect_on(&mut n, 1, persistent_v5("dev"));
+    n.h[1].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    settle_and_sync(&mut n, &mut disks);
+    let now = n.h[0].now;
+    n.h[0].e.cluster_store_recovered(now);
+    let stale = n.h[0].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv_one(stale);
+    assert_eq!(connack(&got).reason_code, 0x88, "{got:?}");
+    n.h[1].recv();
+    assert!(!n.h[1].closed.contains(&dev));
+    let events = n.h[0].e.take_events();
+    assert!(
+        events.iter().any(|e| e.0 == "store_recovered"),
+        "{events:?}"
+    );
+    // The failure timeout later it is in touch again (no map change came).
+    tick_after(&mut n, 0, 5_000);
+    let moved = n.h[0].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    assert!(connack(&n.h[0].recv_one(moved)).session_present);
+}
+
+#[test]
 fn a_claim_that_reaches_only_nodes_without_the_session_is_refused_while_its_holders_are_out_of_reach(
 ) {
     // Node 0 homes "dev", node 3 holds its copy; both are cut off from node 1, which still

@@ -78,6 +78,9 @@ class DataPlane:
             logger.error("store failing: data links to the other nodes closed until it recovers")
         else:
             logger.warning("store recovered: data links to the other nodes open again")
+            # Its peers took it for dead meanwhile: as after a pause, no CONNECT (one held
+            # unread while the store failed included) takes a session over until in touch.
+            self.engine.cluster_store_recovered(monotonic_ms())
         self.transport.refuse_data("this node's store is failing" if failing else None)
 
     def forget(self, node_id: str) -> None:
