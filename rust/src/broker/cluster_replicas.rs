@@ -309,8 +309,9 @@ impl Engine {
     pub fn cluster_set_map(&mut self, version: u64, owners: Vec<Vec<PeerId>>, now: u64) {
         let old = self.replicas.map.replace(SessionMap { version, owners });
         self.replicas.sweep_due = true;
-        if version != self.out_of_touch_map {
-            // In touch again: the cluster's membership changed since the pause.
+        if version != self.out_of_touch_map && self.out_of_touch_until != u64::MAX {
+            // In touch again: the cluster's membership changed since the pause (not while
+            // the store still fails: `store_failed`).
             self.out_of_touch_until = 0;
         }
         if self.cluster.epoch_of() == 0 {
@@ -1253,6 +1254,12 @@ impl Engine {
         }
         let after = self.cfg.cluster_takeover_ms;
         if after == 0 || self.replicas.map.is_none() || self.replicas.copies.is_empty() {
+            return;
+        }
+        if now < self.out_of_touch_until {
+            // Out of touch itself (paused, or its store failing and its data links closed
+            // by it): its peers are not dead, and its copies may be stale; a version made
+            // from one would outrank the live one and deliver again what its client had.
             return;
         }
         let dead = self.cluster.down_longer_than(after, now);

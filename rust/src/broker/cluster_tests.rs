@@ -3982,6 +3982,35 @@ fn a_node_whose_store_failed_refuses_connects_until_in_touch_again() {
 }
 
 #[test]
+fn a_node_whose_store_fails_takes_no_session_over_from_its_copies() {
+    // Found by the fault-injection run's full disks: node 1's store failed, so its data
+    // links closed and its peers looked dead to it; past the takeover time it made a
+    // version of dev from its copy (stale: no copy operation reached it meanwhile), which
+    // outranked the live one on node 0 and delivered again what the client had.
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 5_000);
+    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
+    n.h[0].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    settle_and_sync(&mut n, &mut disks);
+    let now = n.h[1].now;
+    n.h[1].e.store_failed(now);
+    n.cut_link(1, 0);
+    n.cut_link(1, 2);
+    tick_after(&mut n, 1, 9_000);
+    assert_eq!(serve_copy_loads(&mut n.h[1], &disks[1]), 0);
+    // It works again; until in touch (its links take a moment to come back) still none.
+    let now = n.h[1].now;
+    n.h[1].e.cluster_store_recovered(now);
+    tick_after(&mut n, 1, 1_000);
+    assert_eq!(serve_copy_loads(&mut n.h[1], &disks[1]), 0);
+    n.heal_link(1, 0);
+    n.heal_link(1, 2);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[1].e.session_held("dev"), None);
+    assert_eq!(n.h[0].e.session_held("dev"), Some(true));
+    assert!(!n.h[0].closed.contains(&dev));
+}
+
+#[test]
 fn a_claim_that_reaches_only_nodes_without_the_session_is_refused_while_its_holders_are_out_of_reach(
 ) {
     // Node 0 homes "dev", node 3 holds its copy; both are cut off from node 1, which still

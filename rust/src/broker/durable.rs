@@ -109,6 +109,11 @@ impl Engine {
     /// DISCONNECT 0x97 quota exceeded), so they resend later; nothing unstored is
     /// acknowledged. Their connection ids are returned.
     pub fn store_failed(&mut self, now: u64) -> Vec<ConnId> {
+        if self.cluster.epoch_of() != 0 {
+            // Its data links close (the data plane): out of touch until the store works
+            // and the failure timeout passes after (`cluster_store_recovered`).
+            self.out_of_touch_until = u64::MAX;
+        }
         let conns = std::mem::take(&mut self.unconfirmed_publishers);
         for &id in &conns {
             if let Some(conn) = self.conn_mut(id) {

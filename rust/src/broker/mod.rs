@@ -108,8 +108,10 @@ pub struct Engine {
     pending_pump: Vec<SessionId>,
     /// The latest time the caller gave; drain has no clock of its own.
     last_now: u64,
-    /// After a pause of this process (`observe_time`), CONNECTs are refused until then, or
-    /// until the map changes from `out_of_touch_map`.
+    /// After a pause of this process (`observe_time`), and from a store failure until a
+    /// while after it works again (`store_failed`, `cluster_store_recovered`; `u64::MAX`
+    /// meanwhile), CONNECTs are refused and no session is taken over from a copy until
+    /// then, or until the map changes from `out_of_touch_map`.
     out_of_touch_until: u64,
     out_of_touch_map: u64,
     events: Vec<Event>,
