@@ -425,6 +425,8 @@ impl Engine {
     /// balancer to another node long since) must not take that client's session over from
     /// where it lives on now. CONNECTs are refused as after a pause (`observe_time`).
     pub fn cluster_store_recovered(&mut self, now: u64) {
+        // Out of touch since the failure (`store_failed`); without takeovers, in touch now.
+        self.out_of_touch_until = 0;
         if self.cfg.cluster_takeover_ms > 0 && self.cluster.epoch_of() != 0 {
             let detail = "its store failed for a while: CONNECTs refused until in touch";
             self.out_of_touch(now, "store_recovered", detail.to_string());

@@ -3922,16 +3922,19 @@ fn a_node_cut_off_from_every_node_that_may_hold_a_session_refuses_its_client_for
     assert!(!connack(&got).session_present);
 }
 
-#[test]
-fn a_node_resumed_after_a_pause_refuses_connects_until_the_map_changes() {
-    // Found by the fault-injection run: a node stopped (SIGSTOP) past the failure timeout
-    // read, on resuming, a CONNECT queued before its pause (its client long gone) and took
-    // the client's live session over from node 1.
+/// "dev" lives on node 1 (copies on nodes 1 and 2); node 0 has just fallen out of touch
+/// (`fall`, whose event is `event`): a CONNECT it reads now is refused with 0x88 and takes
+/// nothing from node 1. Then `rejoin` puts it in touch again, and it serves.
+fn a_node_out_of_touch_refuses_connects(
+    fall: impl Fn(&mut Nodes),
+    event: &str,
+    rejoin: impl Fn(&mut Nodes),
+) {
     let (mut n, mut disks) = copying_nodes(3, &[1, 2], 5_000);
     let dev = connect_on(&mut n, 1, persistent_v5("dev"));
     n.h[1].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
     settle_and_sync(&mut n, &mut disks);
-    n.h[0].now += 6_000;
+    fall(&mut n);
     let stale = n.h[0].open_connect(persistent_v5("dev"));
     settle_and_sync(&mut n, &mut disks);
     let got = n.h[0].recv_one(stale);
@@ -3939,16 +3942,24 @@ fn a_node_resumed_after_a_pause_refuses_connects_until_the_map_changes() {
     n.h[1].recv();
     assert!(!n.h[1].closed.contains(&dev));
     let events = n.h[0].e.take_events();
-    assert!(
-        events.iter().any(|e| e.0 == "resumed_after_pause"),
-        "{events:?}"
-    );
-    // The cluster's membership changed meanwhile (it was removed, and is added again):
-    // in touch, it serves again.
-    set_map(&mut n, 0, &[1, 2], 2);
+    assert!(events.iter().any(|e| e.0 == event), "{events:?}");
+    rejoin(&mut n);
     let moved = n.h[0].open_connect(persistent_v5("dev"));
     settle_and_sync(&mut n, &mut disks);
     assert!(connack(&n.h[0].recv_one(moved)).session_present);
+}
+
+#[test]
+fn a_node_resumed_after_a_pause_refuses_connects_until_the_map_changes() {
+    // Found by the fault-injection run: a node stopped (SIGSTOP) past the failure timeout
+    // read, on resuming, a CONNECT queued before its pause (its client long gone) and took
+    // the client's live session over from node 1. In touch again once the cluster's
+    // membership changed (it was removed, and is added again).
+    a_node_out_of_touch_refuses_connects(
+        |n| n.h[0].now += 6_000,
+        "resumed_after_pause",
+        |n| set_map(n, 0, &[1, 2], 2),
+    );
 }
 
 #[test]
@@ -3956,29 +3967,16 @@ fn a_node_whose_store_failed_refuses_connects_until_in_touch_again() {
     // Found by the fault-injection run's full disks: node 0 read, as its store worked
     // again, a CONNECT held unread while it failed (its client gone to node 1 meanwhile)
     // and took the client's session over from there; the hand-overs back and forth
-    // delivered QoS 2 messages twice.
-    let (mut n, mut disks) = copying_nodes(3, &[1, 2], 5_000);
-    let dev = connect_on(&mut n, 1, persistent_v5("dev"));
-    n.h[1].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
-    settle_and_sync(&mut n, &mut disks);
-    let now = n.h[0].now;
-    n.h[0].e.cluster_store_recovered(now);
-    let stale = n.h[0].open_connect(persistent_v5("dev"));
-    settle_and_sync(&mut n, &mut disks);
-    let got = n.h[0].recv_one(stale);
-    assert_eq!(connack(&got).reason_code, 0x88, "{got:?}");
-    n.h[1].recv();
-    assert!(!n.h[1].closed.contains(&dev));
-    let events = n.h[0].e.take_events();
-    assert!(
-        events.iter().any(|e| e.0 == "store_recovered"),
-        "{events:?}"
+    // delivered QoS 2 messages twice. In touch again the failure timeout later (no map
+    // change came).
+    a_node_out_of_touch_refuses_connects(
+        |n| {
+            let now = n.h[0].now;
+            n.h[0].e.cluster_store_recovered(now);
+        },
+        "store_recovered",
+        |n| tick_after(n, 0, 5_000),
     );
-    // The failure timeout later it is in touch again (no map change came).
-    tick_after(&mut n, 0, 5_000);
-    let moved = n.h[0].open_connect(persistent_v5("dev"));
-    settle_and_sync(&mut n, &mut disks);
-    assert!(connack(&n.h[0].recv_one(moved)).session_present);
 }
 
 #[test]
@@ -4031,6 +4029,34 @@ fn a_claim_that_reaches_only_nodes_without_the_session_is_refused_while_its_hold
     assert!(connack(&n.h[2].recv_one(moved)).session_present);
 }
 
+/// Node 0 homes "dev" (subscribed to cmd/# at `qos`, copies on nodes 0 and 1) and a
+/// publisher; node 1 has another subscriber of cmd/#. Returns the nodes, their disks and
+/// the connections of dev, the other subscriber and the publisher.
+fn dev_other_and_publisher(
+    qos: QoS,
+) -> (
+    Nodes,
+    Vec<Disk>,
+    crate::broker::ConnId,
+    crate::broker::ConnId,
+    crate::broker::ConnId,
+) {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
+    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
+    n.h[0].subscribe(dev, "cmd/#", qos);
+    let other = connect_on(
+        &mut n,
+        1,
+        super::tests::connect("other", Protocol::V5, true),
+    );
+    n.h[1].subscribe(other, "cmd/#", QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 0, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    n.h[0].recv();
+    n.h[1].recv();
+    (n, disks, dev, other, publisher)
+}
+
 /// Node 0 homes "dev" and is cut off from the others; its publisher's messages reach dev
 /// there ("m1", "m2", acknowledged by the client) and are kept for node 1, whose own
 /// subscriber wants them; "m3" waits for dev on node 0 after its connection dropped. The
@@ -4046,19 +4072,7 @@ fn dev_split_between_two_versions(
     crate::broker::ConnId,
     crate::broker::ConnId,
 ) {
-    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
-    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
-    n.h[0].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
-    let other = connect_on(
-        &mut n,
-        1,
-        super::tests::connect("other", Protocol::V5, true),
-    );
-    n.h[1].subscribe(other, "cmd/#", QoS::AtLeastOnce);
-    let publisher = connect_on(&mut n, 0, super::tests::connect("pub", Protocol::V5, true));
-    settle_and_sync(&mut n, &mut disks);
-    n.h[0].recv();
-    n.h[1].recv();
+    let (mut n, mut disks, dev, other, publisher) = dev_other_and_publisher(QoS::AtLeastOnce);
     n.cut_link(0, 1);
     n.cut_link(0, 2);
     for m in ["m1", "m2"] {
@@ -4141,19 +4155,7 @@ fn dev_split_as_qos2_goes_out(
     delivered: bool,
     later_ms: u64,
 ) -> (Nodes, crate::broker::ConnId, crate::broker::ConnId) {
-    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
-    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
-    n.h[0].subscribe(dev, "cmd/#", QoS::ExactlyOnce);
-    let other = connect_on(
-        &mut n,
-        1,
-        super::tests::connect("other", Protocol::V5, true),
-    );
-    n.h[1].subscribe(other, "cmd/#", QoS::AtLeastOnce);
-    let publisher = connect_on(&mut n, 0, super::tests::connect("pub", Protocol::V5, true));
-    settle_and_sync(&mut n, &mut disks);
-    n.h[0].recv();
-    n.h[1].recv();
+    let (mut n, mut disks, dev, other, publisher) = dev_other_and_publisher(QoS::ExactlyOnce);
     if !delivered {
         let now = n.h[0].now;
         n.h[0].e.closed(dev, now);
