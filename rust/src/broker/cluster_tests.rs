@@ -3595,6 +3595,64 @@ fn a_frozen_node_whose_sockets_close_as_it_resumes_does_not_publish_wills_publis
 }
 
 #[test]
+fn an_owner_whose_store_fails_does_not_publish_the_will_of_a_live_connection() {
+    // Found by the fault-injection run's full disks: node 1 (whose duty the will is) closed
+    // its own data links as its store failed, took node 0 for dead past the takeover time,
+    // and published the will of the sensor, still connected there.
+    let (mut n, mut disks, sensor, watcher) = will_holder_on_node0();
+    let now = n.h[1].now;
+    n.h[1].e.store_failed(now);
+    n.cut_link(1, 0);
+    n.cut_link(1, 2);
+    for _ in 0..9 {
+        tick_after(&mut n, 1, 1_000);
+    }
+    let now = n.h[1].now;
+    n.h[1].e.cluster_store_recovered(now);
+    tick_after(&mut n, 1, 100);
+    n.heal_link(1, 0);
+    n.heal_link(1, 2);
+    settle_and_sync(&mut n, &mut disks);
+    for i in 0..3 {
+        tick_after(&mut n, i, 6_000);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    assert_eq!(n.h[1].e.will_stats().published, 0);
+    assert_eq!(n.h[1].e.will_stats().held, 1);
+    n.h[0].recv();
+    assert!(!n.h[0].closed.contains(&sensor));
+}
+
+#[test]
+fn a_connection_closed_as_its_nodes_store_fails_has_its_will_published_once() {
+    // Found by the fault-injection run's full disks: node 0's store failed, and it closed
+    // the sensor's connection (a publisher of the failed batch) before it saw its own data
+    // links close; it published the will then, and node 1 again when the sensor came back
+    // on it.
+    let (mut n, mut disks, sensor, watcher) = will_holder_on_node0();
+    let now = n.h[0].now;
+    n.h[0].e.store_failed(now);
+    sensor_socket_closes(&mut n, sensor);
+    node0_dies(&mut n);
+    let back = connect_on(&mut n, 1, sensor_connect());
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
+    tick_after(&mut n, 0, 3_000);
+    let now = n.h[0].now;
+    n.h[0].e.cluster_store_recovered(now);
+    node0_back_in_touch(&mut n, &mut disks);
+    for i in 0..3 {
+        tick_after(&mut n, i, 6_000);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    assert_eq!(n.h[1].e.will_stats().published, 1);
+    n.h[1].recv();
+    assert!(!n.h[1].closed.contains(&back));
+}
+
+#[test]
 fn a_will_an_owner_publishes_after_the_home_is_back_still_closes_the_old_connection_there() {
     let (mut n, mut disks, sensor, watcher) = will_holder_on_node0();
     // Node 0 is cut off, and node 1 (whose duty the will is) from node 2 too.

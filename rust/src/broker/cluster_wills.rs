@@ -155,6 +155,12 @@ impl Engine {
         if after == 0 || !self.replicas.has_map() {
             return false;
         }
+        if now < self.out_of_touch_until {
+            // Its store failing (and its data links closed by it), or just back from that
+            // or a pause: an owner may publish the will meanwhile (the client gone
+            // elsewhere), and tells it once their link is back.
+            return true;
+        }
         self.note_thaw(now);
         if now < self.wills.thawed_until {
             return true;
@@ -580,10 +586,14 @@ impl Engine {
                 // Once this node has the routes of every node in reach (one that just started
                 // would miss the subscribers of nodes whose links still connect), and has
                 // installed the dead homes' sessions it takes over (whose subscriptions may
-                // match), unless the copy is about to be replaced.
+                // match), and is in touch itself (its peers only look dead to a node whose
+                // store fails or that was paused: the duty may be theirs), unless the copy is
+                // about to be replaced.
                 Duty::Publish
                     if !replaced
-                        && (self.taking_over() || !self.cluster.routes_known(&gone, home)) =>
+                        && (self.taking_over()
+                            || now < self.out_of_touch_until
+                            || !self.cluster.routes_known(&gone, home)) =>
                 {
                     Duty::Wait
                 }
