@@ -3653,6 +3653,59 @@ fn a_connection_closed_as_its_nodes_store_fails_has_its_will_published_once() {
 }
 
 #[test]
+fn a_client_back_on_a_third_node_just_as_its_home_dies_still_has_its_old_will_published() {
+    // Found by checking that every connection that ended without DISCONNECT had its will
+    // published: the sensor's home (node 0) died, and before any owner saw its link go
+    // the sensor was back on node 3 (not an owner); the new connection's copy replaced the
+    // old one on both owners, so nobody had the old will when node 0 was found dead.
+    let (mut n, mut disks) = copying_nodes(4, &[1, 2], 5_000);
+    protocol(&mut n, LATEST);
+    let watcher = connect_on(
+        &mut n,
+        2,
+        super::tests::connect("watcher", Protocol::V5, true),
+    );
+    n.h[2].subscribe(watcher, "wills/#", QoS::AtLeastOnce);
+    connect_on(&mut n, 0, sensor_connect());
+    settle_and_sync(&mut n, &mut disks);
+    // Node 0 dies: nothing more comes from it, its links not closed yet.
+    for j in 1..4 {
+        n.cut.push((0, j));
+    }
+    let back = n.h[3].open_connect(sensor_connect());
+    settle_and_sync(&mut n, &mut disks);
+    tick_after(&mut n, 3, 3_000);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(connack(&n.h[3].recv_one(back)).reason_code, 0);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    // Its links close; the takeover time later node 1 publishes the old will, once.
+    n.cut.clear();
+    for j in 1..4 {
+        n.cut_link(0, j);
+    }
+    for _ in 0..2 {
+        for i in 1..4 {
+            tick_after(&mut n, i, 3_000);
+        }
+        settle_and_sync(&mut n, &mut disks);
+    }
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
+    assert_eq!(n.h[1].e.will_stats().published, 1);
+    assert_eq!(n.h[2].e.will_stats().published, 0);
+    // The owners hold the copy of the connection on node 3, nothing else.
+    for i in [1, 2] {
+        assert_eq!(n.h[i].e.will_stats().held, 1, "node {i}");
+    }
+    for i in 1..4 {
+        tick_after(&mut n, i, 6_000);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    n.h[3].recv();
+    assert!(!n.h[3].closed.contains(&back));
+}
+
+#[test]
 fn a_will_an_owner_publishes_after_the_home_is_back_still_closes_the_old_connection_there() {
     let (mut n, mut disks, sensor, watcher) = will_holder_on_node0();
     // Node 0 is cut off, and node 1 (whose duty the will is) from node 2 too.

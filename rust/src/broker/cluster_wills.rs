@@ -84,6 +84,11 @@ pub(super) struct Wills {
     out: HashMap<SessionId, Stamp>,
     /// Copies held for connections on other nodes, by client id.
     held: HashMap<Arc<str>, HeldWill>,
+    /// Copies replaced by a newer connection's from another node before their own
+    /// connection was known to end: its home may have died just then (its link not yet
+    /// seen down), and then nobody else has its will. Kept, in memory, until that home says
+    /// the connection ended (`WillGone`), or is found dead or restarted, as `held`.
+    superseded: Vec<(Arc<str>, HeldWill)>,
     /// Wills this node published for connections on nodes out of its reach, to tell those
     /// nodes when their links come up (home key, client id, version; one per client id, in
     /// the store too).
@@ -327,6 +332,9 @@ impl Engine {
         for client in lost {
             self.take_held(&client);
         }
+        let mut superseded = std::mem::take(&mut self.wills.superseded);
+        superseded.retain(|(client, _)| self.replicas.is_owner(client));
+        self.wills.superseded = superseded;
         // Homes no longer in the map are dead, and who publishes may have changed.
         self.wills.sweep = true;
         self.send_wills(None);
@@ -457,7 +465,7 @@ impl Engine {
                 .to_store
                 .push_back((Arc::from(client_id), stamp, due));
         }
-        self.wills.held.insert(
+        let old = self.wills.held.insert(
             Arc::from(client_id),
             HeldWill {
                 home,
@@ -468,6 +476,12 @@ impl Engine {
                 stored,
             },
         );
+        // (From the same home, its end was said first: `WillGone` comes before the copy.)
+        if let Some(old) = old.filter(|o| o.home != home && o.ended.is_none()) {
+            if self.wills.superseded.len() < FIRED_MAX {
+                self.wills.superseded.push((Arc::from(client_id), old));
+            }
+        }
     }
 
     /// The connection of `client_id` with version `stamp` ended on peer `peer`.
@@ -481,6 +495,9 @@ impl Engine {
         {
             self.take_held(client_id);
         }
+        self.wills
+            .superseded
+            .retain(|(c, w)| !(&**c == client_id && w.home == home && w.stamp <= stamp));
     }
 
     /// A claim for `client_id` (a peer's, or this node's own): if the connection whose will
@@ -514,7 +531,8 @@ impl Engine {
         }
         let key = self.cluster.peer_key(peer);
         let mut any = false;
-        for w in self.wills.held.values_mut() {
+        let superseded = self.wills.superseded.iter_mut().map(|(_, w)| w);
+        for w in self.wills.held.values_mut().chain(superseded) {
             if w.home == key && w.epoch != epoch {
                 // Its new incarnation does not have that connection: nothing to tell it.
                 w.ended = Some(false);
@@ -541,10 +559,49 @@ impl Engine {
         }
         let after = self.cfg.cluster_takeover_ms;
         // Copies read back at start-up wait for the map: until then no node is a peer.
-        if after == 0 || self.wills.held.is_empty() || !self.replicas.has_map() {
+        if after == 0 || !self.replicas.has_map() {
             return;
         }
-        self.settle_wills(None, false, now);
+        if !self.wills.held.is_empty() {
+            self.settle_wills(None, false, now);
+        }
+        if !self.wills.superseded.is_empty() {
+            self.settle_superseded(now);
+        }
+    }
+
+    /// `settle_wills` for the superseded copies: those whose home is dead (or restarted)
+    /// are published here or dropped, as the duty says.
+    fn settle_superseded(&mut self, now: u64) {
+        let after = self.cfg.cluster_takeover_ms;
+        let gone = self.cluster.down_longer_than(after, now);
+        let mut keep = Vec::new();
+        for (client, w) in std::mem::take(&mut self.wills.superseded) {
+            let home = self.cluster.peer_by_key(w.home);
+            let dead = w.ended.is_some() || home.is_none_or(|h| gone.contains(&h));
+            let duty = match self.will_duty(&client, home, &gone) {
+                _ if !dead => Duty::Wait,
+                Duty::Publish if !self.may_publish_held(&gone, home, now) => Duty::Wait,
+                duty => duty,
+            };
+            match duty {
+                Duty::Publish => self.publish_held_will(&client, w, true, now),
+                Duty::Drop => {}
+                Duty::Wait => keep.push((client, w)),
+            }
+        }
+        self.wills.superseded = keep;
+    }
+
+    /// Whether this node, whose duty a held will is, may publish it now: once it has the
+    /// routes of every node in reach (one that just started would miss the subscribers of
+    /// nodes whose links still connect), has installed the dead homes' sessions it takes
+    /// over (whose subscriptions may match), and is in touch itself (its peers only look
+    /// dead to a node whose store fails or that was paused: the duty may be theirs).
+    fn may_publish_held(&self, gone: &[PeerId], home: Option<PeerId>, now: u64) -> bool {
+        !self.taking_over()
+            && now >= self.out_of_touch_until
+            && self.cluster.routes_known(gone, home)
     }
 
     /// Acts on the held wills whose connections ended (`only`: that client's alone): each
@@ -583,18 +640,8 @@ impl Engine {
             let home = self.wills.held[&client].home;
             let home = self.cluster.peer_by_key(home);
             let duty = match self.will_duty(&client, home, &gone) {
-                // Once this node has the routes of every node in reach (one that just started
-                // would miss the subscribers of nodes whose links still connect), and has
-                // installed the dead homes' sessions it takes over (whose subscriptions may
-                // match), and is in touch itself (its peers only look dead to a node whose
-                // store fails or that was paused: the duty may be theirs), unless the copy is
-                // about to be replaced.
-                Duty::Publish
-                    if !replaced
-                        && (self.taking_over()
-                            || now < self.out_of_touch_until
-                            || !self.cluster.routes_known(&gone, home)) =>
-                {
+                // Unless the copy is about to be replaced.
+                Duty::Publish if !replaced && !self.may_publish_held(&gone, home, now) => {
                     Duty::Wait
                 }
                 // That owner holds a copy of its own.
@@ -679,7 +726,7 @@ impl Engine {
 
     pub fn will_stats(&self) -> WillStats {
         WillStats {
-            held: self.wills.held.len() as u64,
+            held: (self.wills.held.len() + self.wills.superseded.len()) as u64,
             ..self.wills.stats
         }
     }
