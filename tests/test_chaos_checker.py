@@ -267,6 +267,37 @@ def test_a_will_that_reaches_a_client_twice_as_new():
     assert check(run.ops()).counts["wills"] == 1
 
 
+def will_run(reason: str, then: float = 20.0, acknowledged: bool = True) -> Run:
+    """A clean run with s1 subscribed to the wills too; the publisher's connection ends
+    (`reason`) `then` s before the final reads."""
+    run = clean_run()
+    run.subscribe("s1", "w/#")
+    if not acknowledged:
+        will = {"topic": "w/p", "id": "will-p2"}
+        run.op("p", "invoke", "connect", client="p", node="n1", clean=True, will=will)
+    run.op("p", "info", "disconnected", client="p", reason=reason)
+    run.now += then
+    run.op("final", "info", "sessions", client="s2", nodes=["n1"])
+    return run
+
+
+def test_a_will_that_never_reaches_a_subscriber_that_wants_it_is_lost():
+    run = will_run("Unspecified error")
+    # s2 subscribed to a/# only: it does not want it.
+    assert kinds(run) == {"will_lost": 1}
+    details = check(run.ops()).details["will_lost"]
+    assert details[0].startswith("the will will-p of p (its connection ended at ")
+    assert details[0].endswith("s: Unspecified error) never reached s1")
+    run.receive("s1", "w/p", "will-p")
+    assert kinds(run) == {}
+
+
+def test_no_will_is_expected_after_disconnect_just_before_the_end_or_without_connack():
+    assert kinds(will_run("Normal disconnection")) == {}
+    assert kinds(will_run("Unspecified error", then=5.0)) == {}
+    assert kinds(will_run("Unspecified error", acknowledged=False)) == {}
+
+
 @pytest.mark.parametrize(
     ("topic_filter", "topic", "want"),
     [

@@ -17,6 +17,12 @@ show, from the history alone (Jepsen's checker design: the broker is not asked).
   none holds a persistent subscriber's.
 - ``will_twice``: a will (one per connection, by its id) reached one client twice as a new
   message (not a redelivery with the DUP flag).
+- ``will_lost``: a connection with a will, acknowledged (CONNACK), ended without the
+  client's DISCONNECT (its node killed, paused, cut off or out of store, or the client gave
+  up on it), and its will never reached a persistent client whose matching subscription of
+  at least QoS 1 was acknowledged before that end. Connections that ended within
+  ``WILL_GRACE_S`` of the history's end (its final reads) are not checked: a will may
+  wait the failure timeout after a node's return.
 
 Exceptions, reported apart with their counts, not as anomalies: lost messages of a client
 up to the number the broker counted as dropped for it (its queue limit), and lost messages
@@ -42,7 +48,10 @@ ANOMALIES = (
     "retained_stale",
     "sessions",
     "will_twice",
+    "will_lost",
 )
+# Seconds before the final reads within which an ended connection's will is not expected.
+WILL_GRACE_S = 10.0
 # Details kept per anomaly kind (the counts are always whole).
 DETAILS_MAX = 20
 
@@ -131,19 +140,36 @@ class History:
         self.retained: dict[str, dict[str, str | None]] = defaultdict(dict)
         self.sessions: dict[str, list[str]] = {}
         self.wills: dict[str, str] = {}
+        self.will_topics: dict[str, str] = {}
+        # Wills of acknowledged connections, and how those ended: (time, index, reason).
+        self.wills_accepted: set[str] = set()
+        self.will_ends: dict[str, tuple[float, int, str]] = {}
+        # The time of the last record (the final reads).
+        self.end = 0.0
+        current_will: dict[str, str] = {}
         self.dropped: Counter[str] = Counter()
         self.degraded_destroyed = 0
         pending_subscribe: dict[tuple[str, str], int] = {}
         pending_publish: dict[str, Publish] = {}
+        last = 0.0
         for op in ops:
             v = op.value
+            last = op.t
             if op.f == "connect" and op.type == "invoke":
                 client = str(v["client"])
                 # Persistent only if every connect of the run keeps the session.
                 self.clean[client] = self.clean.get(client, False) or bool(v.get("clean"))
                 will = v.get("will")
+                current_will.pop(op.process, None)
                 if will:
                     self.wills[str(will["id"])] = client
+                    self.will_topics[str(will["id"])] = str(will["topic"])
+                    current_will[op.process] = str(will["id"])
+            elif op.f == "connect" and op.type == "ok" and op.process in current_will:
+                self.wills_accepted.add(current_will[op.process])
+            elif op.f == "disconnected" and op.process in current_will:
+                ident = current_will.pop(op.process)
+                self.will_ends[ident] = (op.t, op.index, str(v.get("reason", "")))
             elif op.f == "subscribe":
                 key = (str(v["client"]), str(v["filter"]))
                 if op.type == "invoke":
@@ -175,6 +201,7 @@ class History:
                 self.dropped[str(v["client"])] += int(v.get("count", 0))
             elif op.f == "degraded" and v.get("destroyed"):
                 self.degraded_destroyed += int(v.get("count", 0))
+        self.end = last
 
     def _publish(self, op: Op, pending: dict[str, Publish]) -> None:
         v = op.value
@@ -222,6 +249,7 @@ def check(ops: Iterable[Op]) -> Result:
     check_order(h, result)
     check_resurrected(h, result)
     check_retained(h, result)
+    check_wills_lost(h, received, result)
     for client, nodes in sorted(h.sessions.items()):
         if len(nodes) > 1:
             result.add("sessions", f"{client} has sessions on {', '.join(sorted(nodes))}")
@@ -272,6 +300,29 @@ def check_lost(h: History, received: dict[str, Counter[str]], result: Result) ->
         for _ in range(count - dropped - degraded):
             result.anomalies["lost"] += 1
     result.details["lost"] = details[:DETAILS_MAX] if result.anomalies["lost"] else []
+
+
+def check_wills_lost(h: History, received: dict[str, Counter[str]], result: Result) -> None:
+    persistent = [c for c, clean in h.clean.items() if not clean]
+    for ident, (t, index, reason) in sorted(h.will_ends.items()):
+        if ident not in h.wills_accepted or reason == "Normal disconnection":
+            continue
+        if t + WILL_GRACE_S > h.end:
+            continue
+        topic = h.will_topics[ident]
+        for client in persistent:
+            if received[client][ident]:
+                continue
+            wants = any(
+                sub_qos > 0 and until is None and at < index and topic_matches(f, topic)
+                for f, sub_qos, at, until in h.subscriptions[client]
+            )
+            if wants:
+                detail = (
+                    f"the will {ident} of {h.wills[ident]} (its connection ended at {t:.3f} s: "
+                    f"{reason}) never reached {client}"
+                )
+                result.add("will_lost", detail)
 
 
 def check_order(h: History, result: Result) -> None:

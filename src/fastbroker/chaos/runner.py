@@ -435,7 +435,7 @@ class Publisher(Connection):
     (recorded `info`) and never sent again. Each connection has a QoS 1 will, one id per
     connection, on a topic the subscribers' filter matches: a connection that ends without
     DISCONNECT (its node killed, paused or cut off past the failure timeout) has it
-    published, and no subscriber may get one twice (`will_twice`)."""
+    published, every subscriber gets it (`will_lost`) and none twice (`will_twice`)."""
 
     def __init__(self, run: Run, name: str, seed: int, qos: int) -> None:
         super().__init__(run, name, seed, persistent=False)
