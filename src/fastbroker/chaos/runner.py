@@ -181,26 +181,39 @@ class Run:
 
     def read_retained(self, node: str, path: str, topics: list[str]) -> None:
         """Records the retained message `node` holds for each of `topics` (through its own
-        socket): subscribes, and takes what comes until 1 s passes with nothing new."""
+        socket): subscribes, and takes what comes until 1 s passes with nothing new. A node
+        that refuses the connect (0x88: catching up after a pause or a full disk, for the
+        failure timeout) is asked again, for 20 s at most."""
         from paho.mqtt.client import CallbackAPIVersion, Client
         from paho.mqtt.enums import MQTTProtocolVersion
 
         held: dict[str, str] = {}
-        client = Client(
-            CallbackAPIVersion.VERSION2,
-            client_id=f"{self.prefix}-read-{node}",
-            protocol=MQTTProtocolVersion.MQTTv5,
-            transport="unix",
-        )
         last = [time.monotonic()]
 
         def on_message(client: Any, userdata: Any, message: Any) -> None:
             held[message.topic] = message.payload.decode(errors="replace")
             last[0] = time.monotonic()
 
-        client.on_message = on_message
-        client.connect(path, keepalive=KEEPALIVE)
+        until = time.monotonic() + 20
+        while True:
+            client = Client(
+                CallbackAPIVersion.VERSION2,
+                client_id=f"{self.prefix}-read-{node}",
+                protocol=MQTTProtocolVersion.MQTTv5,
+                transport="unix",
+            )
+            client.on_message = on_message
+            client.connect(path, keepalive=KEEPALIVE)
+            deadline = time.monotonic() + 2
+            while not client.is_connected() and time.monotonic() < deadline:
+                if client.loop(0.05) != 0:
+                    break
+            if client.is_connected() or time.monotonic() >= until:
+                break
+            client.disconnect()
+            time.sleep(0.5)
         client.subscribe(f"{RETAINED_TOPIC}/#", qos=1)
+        last[0] = time.monotonic()
         deadline = time.monotonic() + 10
         while time.monotonic() - last[0] < 1.0 and time.monotonic() < deadline:
             client.loop(0.05)
