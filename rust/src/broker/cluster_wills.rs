@@ -120,6 +120,9 @@ const STORE_AFTER_MS: u64 = 1_000;
 /// never back: past this, the oldest are forgotten).
 const FIRED_MAX: usize = 1 << 16;
 
+/// Replaced copies kept at most (a flood of reconnects elsewhere while homes look up).
+const SUPERSEDED_MAX: usize = 1 << 16;
+
 #[derive(Default, Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WillStats {
     /// Wills of other nodes' connections held here.
@@ -478,7 +481,7 @@ impl Engine {
         );
         // (From the same home, its end was said first: `WillGone` comes before the copy.)
         if let Some(old) = old.filter(|o| o.home != home && o.ended.is_none()) {
-            if self.wills.superseded.len() < FIRED_MAX {
+            if self.wills.superseded.len() < SUPERSEDED_MAX {
                 self.wills.superseded.push((Arc::from(client_id), old));
             }
         }
