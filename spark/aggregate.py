@@ -9,7 +9,8 @@ Plain `python` runs Spark in local mode; under spark-submit the master is spark-
 a cluster, RESULTS and OUT must be paths every executor sees (a shared file system, hdfs://,
 s3a://); the executors run no Python of ours. In client mode (the default) the driver imports
 spark/readers.py and spark/session.py from beside this file; with --deploy-mode cluster, ship
-them too (`--py-files spark.zip`, a zip of the spark/ package).
+them too (`--py-files spark.zip`, a zip of the spark/ package). docs/analytics.md has the
+commands and settings for standalone, YARN and Kubernetes clusters.
 
 Every table of the issue 6 contract is written under OUT (overwritten, one directory each,
 present with its schema even when empty): throughput, latency, timeseries, comparison,
@@ -355,7 +356,10 @@ def aggregate(
             one = tables[name].coalesce(1).sortWithinPartitions(*SORT_KEYS[name])
             one.write.mode("overwrite").parquet(f"{base}/{name}")
         comparison = tables["comparison"]
-        regressions = [r.asDict() for r in comparison.where("regression").collect()]
+        # Flagged rows only (a few per run), in key order: the report reads the same whatever
+        # the partitioning (it differed between local mode and a cluster).
+        flagged = comparison.where("regression").orderBy(*SORT_KEYS["comparison"])
+        regressions = [r.asDict() for r in flagged.collect()]
         comparison.unpersist()
         return Outcome(out=base, baseline=chosen, runs=ordered, regressions=regressions)
     finally:

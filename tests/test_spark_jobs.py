@@ -387,6 +387,8 @@ def test_session_is_local_with_few_shuffle_partitions(spark: Any) -> None:
     assert spark.sparkContext.master == LOCAL_MASTER
     assert spark.conf.get("spark.sql.shuffle.partitions") == "4"
     assert spark.conf.get("spark.sql.session.timeZone") == "UTC"
+    # Set on every master, so that the cached aggregates' partitions coalesce on a cluster too.
+    assert spark.conf.get("spark.sql.optimizer.canChangeCachedPlanOutputPartitioning") == "true"
 
 
 def test_cli_on_fixtures(tmp_path: Path) -> None:
