@@ -3094,6 +3094,14 @@ fn assert_no_will_copies(n: &Nodes) {
     }
 }
 
+/// Every node ticks `ms` later, then everything settles.
+fn every_node_ticks(n: &mut Nodes, disks: &mut [Disk], ms: u64) {
+    for i in 0..n.h.len() {
+        tick_after(n, i, ms);
+    }
+    settle_and_sync(n, disks);
+}
+
 /// Nodes 1 and 2 tick `ms` later, then everything settles.
 fn owners_tick(n: &mut Nodes, disks: &mut [Disk], ms: u64) {
     for i in [1, 2] {
@@ -3613,10 +3621,7 @@ fn an_owner_whose_store_fails_does_not_publish_the_will_of_a_live_connection() {
     n.heal_link(1, 0);
     n.heal_link(1, 2);
     settle_and_sync(&mut n, &mut disks);
-    for i in 0..3 {
-        tick_after(&mut n, i, 6_000);
-    }
-    settle_and_sync(&mut n, &mut disks);
+    every_node_ticks(&mut n, &mut disks, 6_000);
     assert!(n.h[2].recv_one(watcher).is_empty());
     assert_eq!(n.h[1].e.will_stats().published, 0);
     assert_eq!(n.h[1].e.will_stats().held, 1);
@@ -3642,10 +3647,7 @@ fn a_connection_closed_as_its_nodes_store_fails_has_its_will_published_once() {
     let now = n.h[0].now;
     n.h[0].e.cluster_store_recovered(now);
     node0_back_in_touch(&mut n, &mut disks);
-    for i in 0..3 {
-        tick_after(&mut n, i, 6_000);
-    }
-    settle_and_sync(&mut n, &mut disks);
+    every_node_ticks(&mut n, &mut disks, 6_000);
     assert!(n.h[2].recv_one(watcher).is_empty());
     assert_eq!(n.h[1].e.will_stats().published, 1);
     n.h[1].recv();
@@ -3725,10 +3727,7 @@ fn a_will_an_owner_publishes_after_the_home_is_back_still_closes_the_old_connect
     n.heal_link(0, 2);
     n.heal_link(1, 2);
     settle_and_sync(&mut n, &mut disks);
-    for i in 0..3 {
-        tick_after(&mut n, i, 6_000);
-    }
-    settle_and_sync(&mut n, &mut disks);
+    every_node_ticks(&mut n, &mut disks, 6_000);
     assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
     assert_eq!(n.h[1].e.will_stats().published, 1);
     assert_eq!(n.h[2].e.will_stats().published, 0);
