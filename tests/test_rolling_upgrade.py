@@ -25,8 +25,8 @@ from test_cluster_routing import (
     wait_rows,
 )
 
-# The previous release: the last commit that speaks protocol 10 (before WireMessage::taken).
-PREVIOUS = "6efdc87"
+# The previous release: the last commit that speaks protocol 11 (before KeptEnd).
+PREVIOUS = "0cde9fd"
 
 
 @pytest.fixture(scope="module")

@@ -443,6 +443,18 @@ class BrokerCollector:
             claims["kept_read_back"],
         )
         yield counter(
+            "cluster_kept_waits_timed_out",
+            "Asks for what a node kept for a dead node whose answer did not end within 2 s: "
+            "the session sent on without waiting longer",
+            claims["kept_waits_timed_out"],
+        )
+        yield counter(
+            "cluster_kept_messages_reordered",
+            "Queued messages of a session taken over from a dead node put back in their "
+            "publisher's order once the kept messages it asked for had come",
+            claims["kept_reordered"],
+        )
+        yield counter(
             "cluster_connects_refused_out_of_reach",
             "CONNECTs of persistent sessions refused (0x88) because the nodes that may hold "
             "the session were out of reach",

@@ -27,6 +27,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
+use super::cluster_kept::KEPT_END_PROTOCOL;
 use super::cluster_replicas::CopyOp;
 use super::cluster_retained::RetainedStamps;
 use super::router::{forwarded_props, Scope};
@@ -659,6 +660,11 @@ impl Cluster {
         });
     }
 
+    /// Tells peer `id` that the answer to its `KeptAsk` for `client_id` ends here.
+    pub(super) fn queue_kept_end(&mut self, id: PeerId, client_id: &str) {
+        self.queue_reliable(id, KEPT_END_PROTOCOL, |items| items.kept_end(client_id));
+    }
+
     /// Whether peer `id`'s link has been up in this run (its protocol is known).
     pub(super) fn peer_seen_up(&self, id: PeerId) -> bool {
         self.peer_ref(id).is_some_and(|p| p.seen_up)
@@ -1287,7 +1293,7 @@ impl Engine {
             // which of its sessions live on elsewhere now and which of its wills went out
             // meanwhile (it publishes the wills it kept only then).
             self.queue_copy_checks(id);
-            self.ask_kept_on_link_up(id);
+            self.ask_kept_on_link_up(id, now);
             self.wills_link_up(id);
             self.registry_link(id, true);
             self.queue_retained_set(id, now);
@@ -1666,6 +1672,7 @@ impl Engine {
                 | Item::Fence { .. }
                 | Item::Installed { .. }
                 | Item::RelayEnd { .. }
+                | Item::KeptEnd { .. }
                 | Item::WillCopy { .. }
                 | Item::WillGone { .. }
                 | Item::WillFired { .. }
@@ -1847,6 +1854,7 @@ impl Engine {
                 } => self.fence_received(id, client_id, stamp, home, now),
                 Item::Installed { client_id } => self.installed_received(id, client_id),
                 Item::RelayEnd { client_id } => self.relay_end_received(id, client_id, now),
+                Item::KeptEnd { client_id } => self.kept_end_received(id, client_id, now),
                 Item::WillCopy {
                     client_id,
                     stamp,

@@ -23,19 +23,36 @@
 //!
 //! Batches of a down peer past `cluster_outbox_memory` live only in the store: they are read
 //! back and looked through after those in memory (`cluster_kept_store`).
+//!
+//! **Order.** A node asked may have sent the new home newer messages for the session's
+//! filters before it got the ask (the new home had a route for them already, for another
+//! session): they would reach the client before the older kept ones. So an asked node of
+//! protocol 12 ends its answer (`KeptEnd`, after the kept messages in memory), and until
+//! every asked node's answer has ended (at most `KEPT_WAIT_MS`; a node whose link goes down
+//! answers no more), the session sends nothing new to its client: what arrives is queued
+//! (stored and copied as any queued message), and before sending, the queue's messages of
+//! each publishing node are put back in that node's order (their ids), in the places they
+//! hold.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::cluster::{message_from_wire, KeptBatch, PeerId};
 use super::cluster_kept_store::{Asker, Search};
-use super::state::{Message, SessionId};
+use super::state::{Delivery, Message, SessionId};
 use super::Engine;
 use crate::cluster::batch::{self, Batch, Item, KeptSub, Mark, WireMessage};
 use crate::codec::QoS;
+use crate::store::records;
 use crate::topics;
 
 /// The first inter-node protocol that asks for and answers with kept messages.
 const KEPT_PROTOCOL: u16 = 7;
+/// The first that ends its answer (`KeptEnd`).
+pub(super) const KEPT_END_PROTOCOL: u16 = 12;
+/// How long a session waits at most for an asked node's answer to end: a node that stays
+/// up but silent (overloaded) does not stall the session for longer.
+const KEPT_WAIT_MS: u64 = 2_000;
 /// Kept ids a session remembers at most (16 bytes each).
 pub(super) const KEPT_MAX: usize = 1 << 20;
 
@@ -71,11 +88,16 @@ impl Engine {
                 .kept
                 .extend(held.into_iter().filter(|&id| id != 0).take(room));
         }
+        let mut waits = Vec::new();
         for peer in self.cluster.up_peers_from(KEPT_PROTOCOL) {
             let applied = applied_for(marks, self.cluster.peer_key(peer));
             self.cluster
                 .queue_kept_ask(peer, &client, home, false, applied, &subs);
+            if self.cluster.peer_protocol(peer) >= KEPT_END_PROTOCOL {
+                waits.push(self.cluster.peer_key(peer));
+            }
         }
+        self.wait_for_kept(sid, &waits, now);
         let own = super::cluster_retained::node_key(&self.cluster.name);
         let applied = applied_for(marks, own);
         let (kept, spilled) = self.kept_matching(dead, &client, &subs, None, applied, now);
@@ -98,7 +120,7 @@ impl Engine {
     /// Peer `peer`'s link came up: the sessions here whose dead home is still down ask it
     /// (it may have kept messages for that home while it could not reach this node). What
     /// they got already they take only once.
-    pub(super) fn ask_kept_on_link_up(&mut self, peer: PeerId) {
+    pub(super) fn ask_kept_on_link_up(&mut self, peer: PeerId, now: u64) {
         if self.cluster.peer_protocol(peer) < KEPT_PROTOCOL {
             return;
         }
@@ -119,13 +141,137 @@ impl Engine {
                 asks.push((sid, home, applied));
             }
         }
+        let ends = self.cluster.peer_protocol(peer) >= KEPT_END_PROTOCOL;
         for (sid, home, applied) in asks {
             if let Some((client, owned)) = self.plain_subs(sid) {
                 let subs = kept_subs(&owned);
                 self.cluster
                     .queue_kept_ask(peer, &client, home, true, applied, &subs);
+                if ends {
+                    self.wait_for_kept(sid, &[key], now);
+                }
             }
         }
+    }
+
+    /// Session `sid` sends nothing new to its client until the nodes with `keys`, asked for
+    /// what they kept for its dead home, have answered (or `KEPT_WAIT_MS` passed).
+    fn wait_for_kept(&mut self, sid: SessionId, keys: &[u64], now: u64) {
+        if keys.is_empty() {
+            return;
+        }
+        let Some(recent) = self.session_mut(sid).and_then(|s| s.recent.as_mut()) else {
+            return;
+        };
+        for &key in keys {
+            recent.kept_waits.retain(|&(k, _)| k != key);
+            recent.kept_waits.push((key, now + KEPT_WAIT_MS));
+        }
+        if !self.claims.kept_holds.contains(&sid) {
+            self.claims.kept_holds.push(sid);
+        }
+    }
+
+    /// Peer `peer`'s answer to the ask for what it kept for `client_id`'s dead home ended.
+    pub(super) fn kept_end_received(&mut self, peer: PeerId, client_id: &str, now: u64) {
+        let Some(&sid) = self.by_client.get(client_id) else {
+            return;
+        };
+        let key = self.cluster.peer_key(peer);
+        let Some(recent) = self.session_mut(sid).and_then(|s| s.recent.as_mut()) else {
+            return;
+        };
+        let before = recent.kept_waits.len();
+        recent.kept_waits.retain(|&(k, _)| k != key);
+        if before > 0 && recent.kept_waits.is_empty() {
+            self.send_after_kept(sid, now);
+        }
+    }
+
+    /// Sessions whose asked nodes went down or did not answer in time send on.
+    pub(super) fn kept_holds_tick(&mut self, now: u64) {
+        if self.claims.kept_holds.is_empty() {
+            return;
+        }
+        let mut done = Vec::new();
+        for sid in self.claims.kept_holds.clone() {
+            let c = &self.cluster;
+            let Some(recent) = self
+                .sessions
+                .get_mut(sid as usize)
+                .and_then(Option::as_mut)
+                .and_then(|s| s.recent.as_mut())
+            else {
+                done.push((sid, false));
+                continue;
+            };
+            let had = !recent.kept_waits.is_empty();
+            let mut timed_out = 0;
+            recent.kept_waits.retain(|&(key, until)| {
+                let up = c.peer_by_key(key).is_some_and(|p| c.peer_up(p));
+                timed_out += u64::from(up && now >= until);
+                up && now < until
+            });
+            self.claims.stats.kept_waits_timed_out += timed_out;
+            if recent.kept_waits.is_empty() {
+                done.push((sid, had));
+            }
+        }
+        for (sid, had) in done {
+            self.claims.kept_holds.retain(|&s| s != sid);
+            if had {
+                self.send_after_kept(sid, now);
+            }
+        }
+    }
+
+    /// Session `sid` waits for no answer any more: its queue's messages of each publishing
+    /// node go back in that node's order (in the places they hold, the stored ones among
+    /// the stored), then what can be sent goes.
+    fn send_after_kept(&mut self, sid: SessionId, now: u64) {
+        self.claims.kept_holds.retain(|&s| s != sid);
+        let Some(session) = self.session_mut(sid) else {
+            return;
+        };
+        let mut places: HashMap<(u64, bool), Vec<usize>> = HashMap::new();
+        for (i, d) in session.queue.iter().enumerate() {
+            if d.msg.id != 0 {
+                let origin = (d.msg.id >> 64) as u64;
+                places.entry((origin, d.seq != 0)).or_default().push(i);
+            }
+        }
+        let mut moved = Vec::new();
+        for at in places.values() {
+            let queue = &mut session.queue;
+            if at
+                .windows(2)
+                .all(|w| queue[w[0]].msg.id < queue[w[1]].msg.id)
+            {
+                continue;
+            }
+            let mut ds: Vec<Delivery> = at.iter().map(|&i| queue[i].clone()).collect();
+            ds.sort_by_key(|d| d.msg.id);
+            for (&i, mut d) in at.iter().zip(ds) {
+                if d.msg.id != queue[i].msg.id {
+                    d.seq = queue[i].seq;
+                    queue[i] = d;
+                    moved.push(i);
+                }
+            }
+        }
+        if !moved.is_empty() {
+            let client = session.client_id.clone();
+            self.claims.stats.kept_reordered += moved.len() as u64;
+            for i in moved {
+                let session = self.session(sid).expect("exists");
+                let d = &session.queue[i];
+                if d.seq != 0 {
+                    let record = self.message_record(d, now).encode();
+                    self.put(records::message_key(&client, d.seq), &record);
+                }
+            }
+        }
+        self.pump(sid, now);
     }
 
     /// Session `sid`'s client id and plain subscriptions (filter, QoS, retain as
@@ -154,13 +300,26 @@ impl Engine {
         subs: &[KeptSub<'_>],
         now: u64,
     ) {
-        let Some(dead) = self.cluster.peer_by_key(home) else {
-            return;
-        };
-        if dead == peer || self.cluster.peer_up(dead) {
-            // Its queue is on its way to it.
-            return;
+        // (A home that is up gets its queue: it sends on what reaches it.)
+        let dead = self.cluster.peer_by_key(home);
+        if let Some(dead) = dead.filter(|&d| d != peer && !self.cluster.peer_up(d)) {
+            self.answer_kept(peer, dead, client_id, again, applied, subs, now);
         }
+        self.cluster.queue_kept_end(peer, client_id);
+    }
+
+    /// What `kept_asked` sends: what is kept for `dead` and matches `subs`.
+    #[allow(clippy::too_many_arguments)]
+    fn answer_kept(
+        &mut self,
+        peer: PeerId,
+        dead: PeerId,
+        client_id: &str,
+        again: bool,
+        applied: Option<(u64, u64)>,
+        subs: &[KeptSub<'_>],
+        now: u64,
+    ) {
         let skip = again.then(|| self.cluster.peer_key(peer));
         let (kept, spilled) = self.kept_matching(dead, client_id, subs, skip, applied, now);
         self.hand_kept(peer, client_id, kept, now);

@@ -156,6 +156,9 @@ pub(super) struct Claims {
     /// The stamp of the claim each session here last won: an older claim that arrives late
     /// (sent again after a link came back) does not take it away.
     pub(super) won: HashMap<SessionId, Stamp>,
+    /// Sessions that send nothing new to their clients until the nodes they asked for what
+    /// was kept for their dead home have answered (`cluster_kept`).
+    pub(super) kept_holds: Vec<SessionId>,
     pub(super) stats: ClaimStats,
 }
 
@@ -177,6 +180,11 @@ pub struct ClaimStats {
     /// Batches kept here for a dead home only in the store, read back to look through for
     /// its sessions (`cluster_kept_store`).
     pub kept_read_back: u64,
+    /// Answers to this node's asks for kept messages that did not end in `KEPT_WAIT_MS`
+    /// (the session went on without them: what they bring after may be out of order).
+    pub kept_waits_timed_out: u64,
+    /// Queued messages put back in their publishing node's order once those answers ended.
+    pub kept_reordered: u64,
     /// CONNECTs refused because the nodes that may hold the client's session were out of
     /// reach (and no copy was here).
     pub refused_out_of_reach: u64,
@@ -191,6 +199,7 @@ impl Claims {
         if !self.relays.is_empty() {
             self.relays.remove(&sid);
         }
+        self.kept_holds.retain(|&s| s != sid);
     }
 
     /// Whether session `sid` moved away a moment ago (its messages are relayed).
@@ -890,7 +899,7 @@ impl Engine {
             }
         }
         if now >= recent.until {
-            if recent.kept_from == 0 {
+            if recent.kept_from == 0 && recent.kept_waits.is_empty() {
                 session.recent = None;
             } else if !recent.ids.is_empty() {
                 recent.ids = Default::default();

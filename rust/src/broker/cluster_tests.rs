@@ -7,6 +7,7 @@ use super::Config;
 use crate::cluster::batch::{self, Stamp, WireMessage};
 use crate::cluster::{FrameDecoder, Value};
 use crate::codec::{Packet, Protocol, QoS};
+use crate::store::records;
 
 struct Nodes {
     h: Vec<Harness>,
@@ -1211,6 +1212,9 @@ fn step(n: &mut Nodes, i: usize) {
     n.h[i].e.drain_cluster(|p, f| frames.push((p, f.to_vec())));
     for (p, frame) in frames {
         let j = n.peer[i].iter().position(|&x| x == p).unwrap();
+        if n.is_cut(i, j) || n.mute.contains(&(i, j)) {
+            continue;
+        }
         let from = n.peer[j][i];
         let now = n.h[j].now;
         n.h[j].e.cluster_feed(from, &body_of(&frame), now).unwrap();
@@ -1394,7 +1398,7 @@ fn connect_on(n: &mut Nodes, i: usize, c: crate::codec::Connect) -> crate::broke
 }
 
 /// The protocol version nodes of this build speak (`transport.PROTOCOL_MAX`).
-const LATEST: u16 = 11;
+const LATEST: u16 = 12;
 
 fn protocol(n: &mut Nodes, version: u16) {
     for i in 0..n.h.len() {
@@ -2764,6 +2768,113 @@ fn what_the_resuming_node_kept_itself_for_the_dead_home_reaches_the_session() {
     let back = resume_from_copy_on_node1(&mut n, &mut disks, 2);
     assert_resumed(&mut n, 2, back, &["m0", "k1", "k2"]);
     assert_eq!(n.h[1].e.claim_stats().kept_handed, 0);
+}
+
+/// Node 0 homes "dev" and dies; node 1 has a subscriber of its own on `cmd/#`, so node 2
+/// sends it what it publishes for "dev" at once. "dev" is installed on node 1 from the
+/// copy (its client resumes there, or with `takeover_ms` > 0 node 1 takes it over, no
+/// client connected), and node 2 publishes "k3" before it reads node 1's ask for what it
+/// kept: "k3" reaches node 1 before "k1" and "k2" do. The client's connection, if any.
+fn dev_installed_as_node2_publishes_before_reading_the_ask(
+    version: u16,
+    takeover_ms: u64,
+) -> (Nodes, Vec<Disk>, Option<crate::broker::ConnId>) {
+    let (mut n, mut disks, publisher) = dev_with_publisher_on_node2(version, takeover_ms);
+    let watcher = connect_on(
+        &mut n,
+        1,
+        super::tests::connect("watch", Protocol::V5, true),
+    );
+    n.h[1].subscribe(watcher, "cmd/#", QoS::AtLeastOnce);
+    n.h[2].publish(publisher, "cmd/dev", "m0", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    for p in ["k1", "k2"] {
+        n.h[2].publish(publisher, "cmd/dev", p, QoS::AtLeastOnce, false);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    n.h[1].recv_one(watcher);
+    let back = if takeover_ms == 0 {
+        Some(n.h[1].open_connect(persistent_v5("dev")))
+    } else {
+        for i in 1..3 {
+            tick_after(&mut n, i, takeover_ms);
+        }
+        None
+    };
+    settle_and_sync(&mut n, &mut disks);
+    serve_copy_loads(&mut n.h[1], &disks[1]);
+    // Installed: node 1's ask waits in its outbox while node 2 publishes "k3".
+    n.h[2].publish(publisher, "cmd/dev", "k3", QoS::AtLeastOnce, false);
+    step(&mut n, 2);
+    settle_and_sync(&mut n, &mut disks);
+    (n, disks, back)
+}
+
+#[test]
+fn what_a_node_kept_for_a_dead_home_reaches_the_session_before_its_newer_messages() {
+    let (mut n, _, back) = dev_installed_as_node2_publishes_before_reading_the_ask(LATEST, 0);
+    assert_resumed(
+        &mut n,
+        1,
+        back.expect("connected"),
+        &["m0", "k1", "k2", "k3"],
+    );
+    let stats = n.h[1].e.claim_stats();
+    assert_eq!((stats.kept_reordered, stats.kept_waits_timed_out), (3, 0));
+}
+
+#[test]
+fn a_peer_of_protocol_11_does_not_end_its_answer_and_its_newer_message_goes_first() {
+    let (mut n, _, back) = dev_installed_as_node2_publishes_before_reading_the_ask(11, 0);
+    assert_resumed(
+        &mut n,
+        1,
+        back.expect("connected"),
+        &["m0", "k3", "k1", "k2"],
+    );
+}
+
+#[test]
+fn a_session_taken_over_from_a_dead_home_is_stored_with_its_queue_in_order() {
+    let (mut n, mut disks, _) =
+        dev_installed_as_node2_publishes_before_reading_the_ask(LATEST, 5_000);
+    assert_eq!(n.h[1].e.replica_stats().takeovers, 1);
+    // In the store (as a restart reads it back) in publish order, not in arrival order.
+    let prefix = records::message_key("dev", 0);
+    let prefix = &prefix[..prefix.len() - 8];
+    let stored: Vec<String> = disks[1]
+        .iter()
+        .filter(|(k, _)| k.starts_with(prefix))
+        .map(|(k, v)| {
+            let body = crate::store::envelope::open(k, v).unwrap();
+            let m = records::StoredMessage::decode(&body).unwrap();
+            String::from_utf8(m.payload.to_vec()).unwrap()
+        })
+        .collect();
+    assert_eq!(stored, ["m0", "k1", "k2", "k3"]);
+    let back = n.h[1].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 1, back, &["m0", "k1", "k2", "k3"]);
+}
+
+#[test]
+fn a_session_waiting_for_a_silent_nodes_answer_sends_on_after_the_wait() {
+    let (mut n, mut disks, _) = dev_with_publisher_on_node2(LATEST, 0);
+    let local = connect_on(&mut n, 1, super::tests::connect("p1", Protocol::V5, true));
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    // Node 2 reads nothing from node 1: the ask is never answered.
+    n.mute.push((1, 2));
+    let back = resume_from_copy_on_node1(&mut n, &mut disks, 1);
+    let got = n.h[1].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    n.h[1].publish(local, "cmd/dev", "local", QoS::AtLeastOnce, false);
+    assert_eq!(payloads(&n.h[1].recv_one(back)), Vec::<String>::new());
+    tick_after(&mut n, 1, 2_000);
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["local"]);
+    assert_eq!(n.h[1].e.claim_stats().kept_waits_timed_out, 1);
 }
 
 #[test]

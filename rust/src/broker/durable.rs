@@ -214,7 +214,7 @@ impl Engine {
     }
 
     /// The record of a stored message as the store keeps it.
-    fn message_record(&self, d: &Delivery, now: u64) -> StoredMessage {
+    pub(super) fn message_record(&self, d: &Delivery, now: u64) -> StoredMessage {
         let wall_now = self.wall(now);
         let m = &d.msg;
         StoredMessage {

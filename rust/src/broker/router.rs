@@ -566,6 +566,14 @@ impl Engine {
     /// Free in-flight slots when `sid`'s connection may be written to now, else None.
     fn window(&self, sid: SessionId) -> Option<usize> {
         let session = self.session(sid)?;
+        if session
+            .recent
+            .as_ref()
+            .is_some_and(|r| !r.kept_waits.is_empty())
+        {
+            // Waiting for older messages kept for its dead home (`cluster_kept`).
+            return None;
+        }
         let conn = self.conn(session.conn?)?;
         if !conn.writable || conn.state != ConnState::Active {
             return None;

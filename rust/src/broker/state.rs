@@ -289,6 +289,10 @@ pub struct RecentIds {
     /// How far that home had applied each node's batches, as the copy it was installed
     /// from knew it (asked again with them when a link comes up).
     pub kept_marks: Vec<crate::cluster::batch::Mark>,
+    /// The nodes (keys) whose answers to this session's ask for kept messages have not
+    /// ended yet, and until when it waits for each: meanwhile nothing new is sent to the
+    /// client, so that the older messages they bring go first (`cluster_kept`).
+    pub kept_waits: Vec<(u64, u64)>,
 }
 
 impl Session {

@@ -75,6 +75,8 @@ const ITEM_HOMES: u8 = 26;
 const ITEM_HOME: u8 = 27;
 const ITEM_CLAIM_ROUTE: u8 = 28;
 const ITEM_CLAIM_ROUTED: u8 = 29;
+/// Protocol 12.
+const ITEM_KEPT_END: u8 = 30;
 /// `Homes` flags.
 const HOMES_FIRST: u8 = 1;
 const HOMES_LAST: u8 = 2;
@@ -222,6 +224,12 @@ pub enum Item<'a> {
         again: bool,
         applied: Option<(u64, u64)>,
         subs: Vec<KeptSub<'a>>,
+    },
+    /// The sender's answer to the receiver's `KeptAsk` for `client_id` ends here: what the
+    /// sender kept in memory went before this item (protocol 12). What comes after it from
+    /// the sender is newer than all of that.
+    KeptEnd {
+        client_id: &'a str,
     },
     /// The sender (a session's home) has applied the reliable batches of the node with key
     /// `node` of its incarnation `epoch` up to `seq`, and the copies they made went before
@@ -572,6 +580,11 @@ impl ItemWriter {
 
     pub fn relay_end(&mut self, client_id: &str) {
         self.w.u8(ITEM_RELAY_END).bytes(client_id.as_bytes());
+        self.count += 1;
+    }
+
+    pub fn kept_end(&mut self, client_id: &str) {
+        self.w.u8(ITEM_KEPT_END).bytes(client_id.as_bytes());
         self.count += 1;
     }
 
@@ -985,6 +998,9 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
         ITEM_RELAY_END => Item::RelayEnd {
             client_id: client_id(r.bytes()?)?,
         },
+        ITEM_KEPT_END => Item::KeptEnd {
+            client_id: client_id(r.bytes()?)?,
+        },
         ITEM_WILL_COPY => Item::WillCopy {
             client_id: client_id(r.bytes()?)?,
             stamp: read_stamp(r)?,
@@ -1299,6 +1315,7 @@ mod tests {
         w.fence("dev-3", stamp, "n2");
         w.installed("dev-4");
         w.relay_end("dev-4");
+        w.kept_end("dev-5");
         w.will_copy("dev-6", stamp, b"will");
         w.will_gone("dev-6", stamp);
         w.will_fired("dev-6", stamp);
@@ -1428,6 +1445,7 @@ mod tests {
                 },
                 Item::Installed { client_id: "dev-4" },
                 Item::RelayEnd { client_id: "dev-4" },
+                Item::KeptEnd { client_id: "dev-5" },
                 Item::WillCopy {
                     client_id: "dev-6",
                     stamp,

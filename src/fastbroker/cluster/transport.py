@@ -79,10 +79,12 @@ MAGIC = "fastbroker-cluster"
 # it and names the nodes to claim from (ClaimRoute, ClaimRouted). Version 11: a message
 # for a peer that may be cut off lists the persistent sessions here that took it (a flag
 # on Message), so a version of one of them made there meanwhile does not deliver it again.
+# Version 12: a node asked for what it kept for a dead home ends its answer (KeptEnd), and
+# the asking session sends its client nothing newer until then.
 # HELLO's optional "cluster_id" (ignored by nodes that do not send it) refuses links between
 # nodes of different clusters, whatever the version.
 PROTOCOL_MIN = 2
-PROTOCOL_MAX = 11
+PROTOCOL_MAX = 12
 
 CONTROL = "control"
 DATA_CHANNEL = "data"
