@@ -140,11 +140,11 @@ def test_lost_messages_the_broker_counted_as_dropped_or_degraded_are_exceptions(
     run.op("final", "info", "dropped", client="s2", count=2)
     result = check(run.ops())
     assert result.anomalies["lost"] == 1
-    assert result.exceptions == {"dropped": 2, "degraded": 0}
+    assert result.exceptions == {"dropped": 2, "degraded": 0, "reordered_indeterminate": 0}
     run.op("final", "info", "degraded", node="n1", count=5, destroyed=True)
     result = check(run.ops())
     assert result.valid
-    assert result.exceptions == {"dropped": 2, "degraded": 1}
+    assert result.exceptions == {"dropped": 2, "degraded": 1, "reordered_indeterminate": 0}
 
 
 def test_a_qos2_message_received_twice_is_duplicated():
@@ -165,6 +165,28 @@ def test_messages_of_one_publisher_on_one_topic_out_of_order_are_reordered():
     run.publish("p", "o/2", "o2-0")
     run.receive("s1", "o/2", "o2-0")
     run.receive("s1", "o/1", "p2-0")
+    assert kinds(run) == {"reordered": 1}
+
+
+def test_a_publish_of_unknown_outcome_received_late_is_an_exception_not_a_reorder():
+    run = clean_run()
+    run.subscribe("s1", "o/#")
+    run.publish("p", "o/1", "o-0")
+    # Its connection ended before the answer: it may take effect at any later moment.
+    run.publish("p", "o/1", "o-1", outcome="info")
+    run.publish("p", "o/1", "o-2")
+    run.publish("p", "o/1", "o-3")
+    for ident in ("o-0", "o-2", "o-1", "o-3"):
+        run.receive("s1", "o/1", ident)
+    result = check(run.ops())
+    assert result.valid, result.details
+    assert result.exceptions["reordered_indeterminate"] == 1
+    # An acknowledged one late is still a reorder (an unknown one early changes nothing).
+    run.publish("p", "o/1", "o-4")
+    run.publish("p", "o/1", "o-5", outcome="info")
+    run.publish("p", "o/1", "o-6")
+    for ident in ("o-5", "o-6", "o-4"):
+        run.receive("s1", "o/1", ident)
     assert kinds(run) == {"reordered": 1}
 
 
