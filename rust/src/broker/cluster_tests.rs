@@ -2394,17 +2394,27 @@ fn dev_with_publisher_on_node2(
     (n, disks, publisher)
 }
 
-/// Node 0 homes "dev" (offline, QoS 1 on `cmd/#`, owners 0 and 1) and dies; node 2
-/// publishes "k1" and "k2" for it meanwhile (kept for node 0, acknowledged degraded).
-fn dev_kept_for_dead_node0(takeover_ms: u64) -> (Nodes, Vec<Disk>, crate::broker::ConnId) {
-    let (mut n, mut disks, publisher) = dev_with_publisher_on_node2(7, takeover_ms);
+/// Node 2's "pub" publishes "m0" for "dev" (reaching node 0), node 0 dies, and "pub"
+/// publishes "k1" and "k2" (kept for node 0).
+fn node2_publishes_as_node0_dies(
+    n: &mut Nodes,
+    disks: &mut [Disk],
+    publisher: crate::broker::ConnId,
+) {
     n.h[2].publish(publisher, "cmd/dev", "m0", QoS::AtLeastOnce, false);
-    settle_and_sync(&mut n, &mut disks);
+    settle_and_sync(n, disks);
     n.cut_link(0, 1);
     n.cut_link(0, 2);
     for p in ["k1", "k2"] {
         n.h[2].publish(publisher, "cmd/dev", p, QoS::AtLeastOnce, false);
     }
+}
+
+/// Node 0 homes "dev" (offline, QoS 1 on `cmd/#`, owners 0 and 1) and dies; node 2
+/// publishes "k1" and "k2" for it meanwhile (kept for node 0, acknowledged degraded).
+fn dev_kept_for_dead_node0(takeover_ms: u64) -> (Nodes, Vec<Disk>, crate::broker::ConnId) {
+    let (mut n, mut disks, publisher) = dev_with_publisher_on_node2(7, takeover_ms);
+    node2_publishes_as_node0_dies(&mut n, &mut disks, publisher);
     // Not for "dev": stays kept for node 0 only.
     n.h[2].publish(publisher, "other/x", "x", QoS::AtLeastOnce, false);
     settle_and_sync(&mut n, &mut disks);
@@ -2786,13 +2796,7 @@ fn dev_installed_as_node2_publishes_before_reading_the_ask(
         super::tests::connect("watch", Protocol::V5, true),
     );
     n.h[1].subscribe(watcher, "cmd/#", QoS::AtLeastOnce);
-    n.h[2].publish(publisher, "cmd/dev", "m0", QoS::AtLeastOnce, false);
-    settle_and_sync(&mut n, &mut disks);
-    n.cut_link(0, 1);
-    n.cut_link(0, 2);
-    for p in ["k1", "k2"] {
-        n.h[2].publish(publisher, "cmd/dev", p, QoS::AtLeastOnce, false);
-    }
+    node2_publishes_as_node0_dies(&mut n, &mut disks, publisher);
     settle_and_sync(&mut n, &mut disks);
     n.h[1].recv_one(watcher);
     let back = if takeover_ms == 0 {
