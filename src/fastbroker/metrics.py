@@ -455,6 +455,13 @@ class BrokerCollector:
             claims["kept_reordered"],
         )
         yield counter(
+            "cluster_taken_lists_told",
+            "Lists of what a session that came here (or whose client came back here) in the "
+            "last 30 s took, told to a node whose link came back (its version of the session, "
+            "made while the two were cut off, does not take those messages again)",
+            claims["taken_told"],
+        )
+        yield counter(
             "cluster_connects_refused_out_of_reach",
             "CONNECTs of persistent sessions refused (0x88) because the nodes that may hold "
             "the session were out of reach",

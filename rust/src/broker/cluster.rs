@@ -27,7 +27,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
-use super::cluster_kept::KEPT_END_PROTOCOL;
+use super::cluster_kept::{KEPT_END_PROTOCOL, TAKEN_IDS_PROTOCOL};
 use super::cluster_replicas::CopyOp;
 use super::cluster_retained::RetainedStamps;
 use super::router::{forwarded_props, Scope};
@@ -629,6 +629,54 @@ impl Cluster {
             peer.reliable = true;
             self.has_output = true;
         }
+    }
+
+    /// Writes items for peer `id` (of protocol `min` or later) into a batch of their own,
+    /// not numbered, that goes ahead of every batch waiting for it: what the peer must know
+    /// before it reads those. Made again each time the link comes up.
+    pub(super) fn queue_first(
+        &mut self,
+        id: PeerId,
+        min: u16,
+        write: impl FnOnce(&mut ItemWriter),
+    ) {
+        let epoch = self.epoch;
+        let Some(peer) = self.peer_mut(id).filter(|p| p.protocol >= min) else {
+            return;
+        };
+        let mut items = ItemWriter::default();
+        write(&mut items);
+        if items.is_empty() {
+            return;
+        }
+        let header = Header {
+            epoch,
+            seq: 0,
+            ack_epoch: peer.recv_epoch,
+            ack_seq: peer.recv_seq,
+        };
+        let frame = items.finish_with(header, false);
+        peer.waiting_qos0_bytes += frame.len();
+        peer.out.push_front(Outgoing {
+            seq: 0,
+            epoch,
+            len: frame.len(),
+            frame,
+            sent: false,
+            stored: None,
+            spilled: false,
+            loading: false,
+            rows: 0,
+        });
+        self.has_output = true;
+    }
+
+    /// Tells peer `id` (a node the session `client_id` moved to from here) which messages
+    /// another version of it, on the node with key `node`, took (`TakenIds`).
+    pub(super) fn queue_taken_ids(&mut self, id: PeerId, client_id: &str, node: u64, ids: &[u128]) {
+        self.queue_reliable(id, TAKEN_IDS_PROTOCOL, |items| {
+            items.taken_ids(client_id, node, ids.iter().copied());
+        });
     }
 
     /// Tells peer `id` (an owner this node copied to) that it applied `mark`.
@@ -1289,6 +1337,7 @@ impl Engine {
                 o.rows = 0;
             }
             c.queue_snapshot(id);
+            self.send_taken_ids(id, now);
             // Before the retained set, whose end tells the peer that it is in touch again:
             // which of its sessions live on elsewhere now and which of its wills went out
             // meanwhile (it publishes the wills it kept only then).
@@ -1681,6 +1730,7 @@ impl Engine {
                 | Item::ClaimRoute { .. }
                 | Item::ClaimRouted { .. }
                 | Item::KeptState { .. }
+                | Item::TakenIds { .. }
                 | Item::Applied(_)
                 | Item::Safe { .. } => {}
             }
@@ -1796,7 +1846,8 @@ impl Engine {
                     ..
                 } => {
                     let msg = messages.next().expect("one per message item");
-                    self.relayed(client_id, Arc::new(msg), qos, retain, sub_ids, kept, now);
+                    let msg = Arc::new(msg);
+                    self.relayed(id, client_id, msg, qos, retain, sub_ids, kept, now);
                 }
                 Item::KeptAsk {
                     client_id,
@@ -1855,6 +1906,11 @@ impl Engine {
                 Item::Installed { client_id } => self.installed_received(id, client_id),
                 Item::RelayEnd { client_id } => self.relay_end_received(id, client_id, now),
                 Item::KeptEnd { client_id } => self.kept_end_received(id, client_id, now),
+                Item::TakenIds {
+                    client_id,
+                    node,
+                    ids,
+                } => self.taken_ids_received(id, client_id, node, &ids, now),
                 Item::WillCopy {
                     client_id,
                     stamp,

@@ -39,6 +39,7 @@ use std::sync::Arc;
 
 use super::cluster::{message_from_wire, KeptBatch, PeerId};
 use super::cluster_kept_store::{Asker, Search};
+use super::cluster_sessions::RECENT_MS;
 use super::state::{Delivery, Message, SessionId};
 use super::Engine;
 use crate::cluster::batch::{self, Batch, Item, KeptSub, Mark, WireMessage};
@@ -55,6 +56,10 @@ pub(super) const KEPT_END_PROTOCOL: u16 = 12;
 const KEPT_WAIT_MS: u64 = 2_000;
 /// Kept ids a session remembers at most (16 bytes each).
 pub(super) const KEPT_MAX: usize = 1 << 20;
+/// The first that tells a peer what a session's version took (`TakenIds`).
+pub(super) const TAKEN_IDS_PROTOCOL: u16 = 13;
+/// Ids told (and remembered) per session at most.
+const TAKEN_IDS_MAX: usize = 1 << 16;
 
 /// A message kept for a dead home, as the session asking gets it.
 pub(super) type KeptDelivery = (Arc<Message>, QoS, bool, Vec<u32>);
@@ -155,7 +160,8 @@ impl Engine {
     }
 
     /// Session `sid` sends nothing new to its client until the nodes with `keys`, asked for
-    /// what they kept for its dead home, have answered (or `KEPT_WAIT_MS` passed).
+    /// what they kept for its dead home (or holding another version of it), have answered
+    /// (or `KEPT_WAIT_MS` passed).
     fn wait_for_kept(&mut self, sid: SessionId, keys: &[u64], now: u64) {
         if keys.is_empty() {
             return;
@@ -417,6 +423,107 @@ impl Engine {
                 .extend(ids.iter().copied().filter(|&id| id != 0).take(room));
         }
         self.ask_kept(sid, home, marks, now);
+    }
+
+    /// Peer `peer`'s link came up: ahead of what waited for it, it learns what the sessions
+    /// that came here, or whose client came back here, in the last `RECENT_MS` took: the
+    /// ids of what reached them since, and of what was kept for their dead home
+    /// (`TakenIds`). A version of such a session the peer made meanwhile (the two were cut
+    /// off, and the client went there too) must not take those again, from the queues that
+    /// waited for it here or elsewhere; what the version here did not deliver reaches that
+    /// one when the two merge.
+    pub(super) fn send_taken_ids(&mut self, peer: PeerId, now: u64) {
+        if self.cluster.peer_protocol(peer) < TAKEN_IDS_PROTOCOL {
+            return;
+        }
+        let taken: Vec<(Arc<str>, Vec<u128>)> = self
+            .by_client
+            .iter()
+            .filter_map(|(client, &sid)| {
+                let recent = self.session(sid)?.recent.as_ref()?;
+                let fresh = now < recent.until;
+                let mut ids: Vec<u128> = self.kept_state(sid, now).map(|k| k.2).unwrap_or_default();
+                if fresh {
+                    ids.extend(recent.ids.iter().copied());
+                }
+                ids.truncate(TAKEN_IDS_MAX);
+                (!ids.is_empty()).then(|| (client.clone(), ids))
+            })
+            .collect();
+        if taken.is_empty() {
+            return;
+        }
+        self.claims.stats.taken_told += taken.len() as u64;
+        let own = super::cluster_retained::node_key(&self.cluster.name);
+        self.cluster.queue_first(peer, TAKEN_IDS_PROTOCOL, |items| {
+            for (client, ids) in &taken {
+                items.taken_ids(client, own, ids.iter().copied());
+            }
+        });
+    }
+
+    /// Peer `peer` says the version of `client_id` on the node with key `node` took the
+    /// messages `ids`: the session here does not take them from another path for a while;
+    /// one that moved on from here passes that on along its relay.
+    pub(super) fn taken_ids_received(
+        &mut self,
+        peer: PeerId,
+        client_id: &str,
+        node: u64,
+        ids: &[u128],
+        now: u64,
+    ) {
+        if let Some(&sid) = self.by_client.get(client_id) {
+            let Some(s) = self.session_mut(sid) else {
+                return;
+            };
+            let recent = s.recent.get_or_insert_with(Default::default);
+            recent.twin_node = node;
+            recent.twin_until = now + RECENT_MS;
+            let room = TAKEN_IDS_MAX.saturating_sub(recent.twin.len());
+            let ids = ids.iter().copied().filter(|&id| id != 0);
+            recent.twin.extend(ids.take(room));
+        } else if let Some(to) = self.relay_of(client_id).filter(|&to| to != peer) {
+            self.cluster.queue_taken_ids(to, client_id, node, ids);
+        }
+    }
+
+    /// Whether message `id`, reaching session `sid` from the node with key `from` (0:
+    /// routed to it), was taken by another version of it (`TakenIds`): only a hand-over
+    /// from that version's node brings it.
+    pub(super) fn twin_took(&mut self, sid: SessionId, id: u128, from: u64, now: u64) -> bool {
+        let Some(recent) = self.session_mut(sid).and_then(|s| s.recent.as_mut()) else {
+            return false;
+        };
+        if recent.twin.is_empty() || id == 0 || from == recent.twin_node {
+            return false;
+        }
+        if now >= recent.twin_until {
+            recent.twin = Default::default();
+            return false;
+        }
+        let took = recent.twin.contains(&id);
+        if took {
+            let node = recent.twin_node;
+            self.replicas.stats.taken_elsewhere += 1;
+            self.wait_for_twin(sid, node, now);
+        }
+        took
+    }
+
+    /// Session `sid` skipped a message that its version on the node with key `node` took
+    /// while the two were cut off: that version hands over what it did not deliver soon
+    /// (ending with `KeptEnd`), and newer messages the node sends meanwhile must not go to
+    /// the client before those. So the session sends nothing new until then, as while it
+    /// waits for kept messages (at most `KEPT_WAIT_MS` after the last such skip).
+    pub(super) fn wait_for_twin(&mut self, sid: SessionId, node: u64, now: u64) {
+        let speaks = self
+            .cluster
+            .peer_by_key(node)
+            .is_some_and(|p| self.cluster.peer_protocol(p) >= TAKEN_IDS_PROTOCOL);
+        if speaks {
+            self.wait_for_kept(sid, &[node], now);
+        }
     }
 
     /// Session `sid` got kept message `id`: another copy of it (from its old home, back) is

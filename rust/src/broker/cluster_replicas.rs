@@ -905,6 +905,9 @@ impl Engine {
                 to, &client, &h.msg, h.qos, h.retain, &h.sub_ids, false, now,
             );
         }
+        // What this version held has gone: the newer one may send on (it waits for this
+        // once it skipped what this one took, `cluster_kept::wait_for_twin`).
+        self.cluster.queue_kept_end(to, &client);
         self.cluster.seal_for(to);
         self.store_outgoing(to);
         self.hand_over(sid, to, false, now);

@@ -79,7 +79,7 @@ const RELAY_MAX_MS: u64 = 300_000;
 
 /// How long a session that moved here tells messages that reach it twice by their ids:
 /// the relay's time, and room for a relayed batch sent again after its link dropped.
-const RECENT_MS: u64 = 30_000;
+pub(super) const RECENT_MS: u64 = 30_000;
 /// How long a claim waits for an owner to stamp it (a few round trips) before it asks the
 /// next owner in reach: one that is up but silent would hold it until found down.
 const ROUTE_MS: u64 = 1_000;
@@ -185,6 +185,9 @@ pub struct ClaimStats {
     pub kept_waits_timed_out: u64,
     /// Queued messages put back in their publishing node's order once those answers ended.
     pub kept_reordered: u64,
+    /// Lists of what a session that came here (or whose client came back here) in the last
+    /// `RECENT_MS` took, told to a peer whose link came up (`TakenIds`).
+    pub taken_told: u64,
     /// CONNECTs refused because the nodes that may hold the client's session were out of
     /// reach (and no copy was here).
     pub refused_out_of_reach: u64,
@@ -627,6 +630,10 @@ impl Engine {
         if fresh {
             kept.2.extend(recent.ids.iter().copied());
         }
+        if now < recent.twin_until {
+            // What another version took while cut off: still waiting in queues for here.
+            kept.2.extend(recent.twin.iter().copied());
+        }
         (kept.0 != 0 || !kept.2.is_empty()).then_some(kept)
     }
 
@@ -672,6 +679,8 @@ impl Engine {
                     // the node handing this one over was out of reach): what that one held
                     // for the client goes to this one, unless it reached it another way.
                     let merged = self.merge_handed_over(client_id, records, now);
+                    // Its messages are in the queue now: they go in their order.
+                    self.kept_end_received(peer, client_id, now);
                     self.event(
                         "claim_merged",
                         Arc::from(client_id),
@@ -843,7 +852,7 @@ impl Engine {
 
     /// Session `sid` was just installed here from another node's records: for `RECENT_MS`
     /// it remembers the ids of what reaches it, starting with those of its records.
-    fn start_recent(&mut self, sid: SessionId, now: u64) {
+    pub(super) fn start_recent(&mut self, sid: SessionId, now: u64) {
         let Some(session) = self.session_mut(sid) else {
             return;
         };
@@ -899,7 +908,7 @@ impl Engine {
             }
         }
         if now >= recent.until {
-            if recent.kept_from == 0 && recent.kept_waits.is_empty() {
+            if recent.kept_from == 0 && recent.kept_waits.is_empty() && recent.twin.is_empty() {
                 session.recent = None;
             } else if !recent.ids.is_empty() {
                 recent.ids = Default::default();
@@ -1117,7 +1126,7 @@ impl Engine {
     }
 
     /// Where this node relays `client_id`'s messages to, if anywhere.
-    fn relay_of(&self, client_id: &str) -> Option<PeerId> {
+    pub(super) fn relay_of(&self, client_id: &str) -> Option<PeerId> {
         self.claims.relays.iter().find_map(|(&sid, &(peer, _))| {
             self.session(sid)
                 .is_some_and(|s| &*s.client_id == client_id)
@@ -1295,6 +1304,7 @@ impl Engine {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn relayed(
         &mut self,
+        from: PeerId,
         client_id: &str,
         msg: Arc<Message>,
         qos: u8,
@@ -1333,6 +1343,10 @@ impl Engine {
             return;
         };
         let id = msg.id;
+        let key = self.cluster.peer_key(from);
+        if self.twin_took(sid, id, key, now) {
+            return;
+        }
         self.deliver(sid, &msg, qos, retain, sub_ids, now);
         if kept {
             self.note_kept(sid, id);

@@ -1398,7 +1398,7 @@ fn connect_on(n: &mut Nodes, i: usize, c: crate::codec::Connect) -> crate::broke
 }
 
 /// The protocol version nodes of this build speak (`transport.PROTOCOL_MAX`).
-const LATEST: u16 = 12;
+const LATEST: u16 = 13;
 
 fn protocol(n: &mut Nodes, version: u16) {
     for i in 0..n.h.len() {
@@ -4624,4 +4624,187 @@ fn a_node_that_has_not_joined_its_cluster_refuses_connects_until_its_first_map()
     let later = h.open_connect(persistent_v5("s"));
     let got = h.recv_one(later);
     assert_eq!(connack(&got).reason_code, 0, "{got:?}");
+}
+
+/// Node 0 is cut off with "pub"'s messages "k1" and "k2" kept for node 1 ("dev"'s home as
+/// node 0 knows it) and for node 2 ("watch" there). "dev"'s client moves to node 2 (node 1
+/// hands the session over and relays for it), then to node 0, which resumes it from its
+/// copy with "k1" and "k2" (acknowledged), then back to node 2: two versions of "dev".
+/// The watcher's, "pub"'s and the last CONNECT's connections.
+fn dev_resumed_on_cut_off_node0_and_back_on_node1() -> (Nodes, Vec<Disk>, [crate::broker::ConnId; 3])
+{
+    let (mut n, mut disks) = copying_nodes(3, &[1, 0], 0);
+    let dev = connect_on(&mut n, 1, persistent_v5("dev"));
+    n.h[1].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    let watcher = connect_on(
+        &mut n,
+        2,
+        super::tests::connect("watch", Protocol::V5, true),
+    );
+    n.h[2].subscribe(watcher, "cmd/#", QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 0, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    n.h[1].recv();
+    n.h[2].recv();
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    for p in ["k1", "k2"] {
+        n.h[0].publish(publisher, "cmd/dev", p, QoS::AtLeastOnce, false);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    let on2 = reconnect_elsewhere(&mut n, &mut disks, (1, dev), 2, "dev");
+    assert_resumed(&mut n, 2, on2, &[]);
+    let now = n.h[2].now;
+    n.h[2].e.closed(on2, now);
+    settle_and_sync(&mut n, &mut disks);
+    for i in 0..3 {
+        tick_after(&mut n, i, 3_000);
+    }
+    let on0 = n.h[0].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    serve_copy_loads(&mut n.h[0], &disks[0]);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv_one(on0);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), ["k1", "k2"]);
+    puback_all(&mut n, 0, on0, &got);
+    settle_and_sync(&mut n, &mut disks);
+    for i in 0..3 {
+        tick_after(&mut n, i, 1_000);
+    }
+    let back = reconnect_elsewhere(&mut n, &mut disks, (0, on0), 1, "dev");
+    assert_resumed(&mut n, 1, back, &[]);
+    (n, disks, [watcher, publisher, back])
+}
+
+#[test]
+fn what_a_session_got_on_a_cut_off_node_is_not_delivered_again_where_it_lives_after_the_heal() {
+    // Found by the fault-injection run's long splits: when the split heals, what node 0
+    // kept reaches node 2 straight and through node 1's relay: not the session there again.
+    let (mut n, mut disks, [watcher, publisher, back]) =
+        dev_resumed_on_cut_off_node0_and_back_on_node1();
+    n.heal_link(0, 1);
+    n.heal_link(0, 2);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["k1", "k2"]);
+    assert_eq!(n.h[1].recv_one(back), Vec::<Packet>::new());
+    assert_eq!(n.h[1].e.replica_stats().taken_elsewhere, 4);
+    // Told node 1 only: node 0's version, found older then, handed over to node 1.
+    assert_eq!(n.h[0].e.claim_stats().taken_told, 1);
+    // What node 0 publishes now reaches the session on node 2 (once node 2 has waited
+    // for node 0's version to hand over what it held: here it never does).
+    n.h[0].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    tick_after(&mut n, 1, 2_000);
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["m1"]);
+}
+
+#[test]
+fn what_a_cut_off_version_held_reaches_the_client_before_newer_messages_after_the_heal() {
+    // Found by the fault-injection run's long splits: node 0's version of "dev" queued "q1"
+    // and "q2" after its client left (listed as taken in their batches to node 1). When the
+    // split heals node 0 publishes "n1" at once: node 1's version gets it before node 0's
+    // version, found older, hands over "q1" and "q2"; it waits for them.
+    let (mut n, mut disks, [_, publisher, back]) = dev_resumed_on_cut_off_node0_and_back_on_node1();
+    for p in ["q1", "q2"] {
+        n.h[0].publish(publisher, "cmd/dev", p, QoS::AtLeastOnce, false);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    for j in 1..3 {
+        n.cut.retain(|&l| l != (0, j) && l != (j, 0));
+        let (a, b) = (n.peer[0][j], n.peer[j][0]);
+        n.h[0].e.cluster_link(a, true);
+        n.h[j].e.cluster_link(b, true);
+    }
+    n.h[0].publish(publisher, "cmd/dev", "n1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["q1", "q2", "n1"]);
+}
+
+#[test]
+fn what_a_session_got_before_its_client_went_to_a_cut_off_node_is_not_delivered_again_there() {
+    // Found by the fault-injection run's long splits: node 0 is cut off; "dev" moves from
+    // node 2 to node 1 and gets "m1" and "m2" there (published on node 2, which keeps them
+    // for node 0 too: a watcher there). Then its client goes to node 0, which resumes it
+    // from its copy, made before the split. When the split heals node 2's queue for node 0
+    // brings "m1" and "m2": not to the session there again.
+    let (mut n, mut disks) = copying_nodes(3, &[1, 0], 0);
+    let dev = connect_on(&mut n, 2, persistent_v5("dev"));
+    n.h[2].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    let watcher = connect_on(
+        &mut n,
+        0,
+        super::tests::connect("watch", Protocol::V5, true),
+    );
+    n.h[0].subscribe(watcher, "cmd/#", QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    let on1 = reconnect_elsewhere(&mut n, &mut disks, (2, dev), 1, "dev");
+    assert_resumed(&mut n, 1, on1, &[]);
+    for p in ["m1", "m2"] {
+        n.h[2].publish(publisher, "cmd/dev", p, QoS::AtLeastOnce, false);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[1].recv_one(on1);
+    assert_eq!(payloads(&got), ["m1", "m2"]);
+    puback_all(&mut n, 1, on1, &got);
+    settle_and_sync(&mut n, &mut disks);
+    for i in 0..3 {
+        tick_after(&mut n, i, 3_000);
+    }
+    let now = n.h[1].now;
+    n.h[1].e.closed(on1, now);
+    settle_and_sync(&mut n, &mut disks);
+    let on0 = n.h[0].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    serve_copy_loads(&mut n.h[0], &disks[0]);
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 0, on0, &[]);
+    n.heal_link(0, 1);
+    n.heal_link(0, 2);
+    settle_and_sync(&mut n, &mut disks);
+    for i in 0..3 {
+        tick_after(&mut n, i, 2_000);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv();
+    assert_eq!(payloads(&got[&watcher]), ["m1", "m2"]);
+    assert_eq!(
+        payloads(got.get(&on0).map_or(&[][..], |g| g)),
+        Vec::<String>::new()
+    );
+    // Node 1's version, older, handed over to node 0's.
+    assert_eq!(n.h[1].e.replica_stats().fenced, 1);
+    assert_eq!(n.h[0].e.replica_stats().taken_elsewhere, 2);
+}
+
+#[test]
+fn two_versions_merged_then_claimed_bring_what_each_held_once() {
+    // Found by the fault-injection run's long splits: node 0's version of "dev" queued
+    // "q1" and "q2" while cut off; right after the heal the client connects to node 2.
+    // Node 0's version goes to node 1's, which goes to node 2 with what node 0's took.
+    let (mut n, mut disks, [_, publisher, back]) = dev_resumed_on_cut_off_node0_and_back_on_node1();
+    for p in ["q1", "q2"] {
+        n.h[0].publish(publisher, "cmd/dev", p, QoS::AtLeastOnce, false);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    let now = n.h[1].now;
+    n.h[1].e.closed(back, now);
+    settle_and_sync(&mut n, &mut disks);
+    for j in 1..3 {
+        n.cut.retain(|&l| l != (0, j) && l != (j, 0));
+        let (a, b) = (n.peer[0][j], n.peer[j][0]);
+        n.h[0].e.cluster_link(a, true);
+        n.h[j].e.cluster_link(b, true);
+    }
+    let on2 = n.h[2].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    for i in 0..3 {
+        tick_after(&mut n, i, 2_000);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    // Once each: "k1" and "k2", which the client got on node 0, are not delivered again.
+    assert_resumed(&mut n, 2, on2, &["q1", "q2"]);
 }

@@ -323,6 +323,12 @@ impl Engine {
         // Stored before the CONNACK goes out (the caller writes operations before output).
         self.persist_session(sid, now);
         if session_present {
+            if self.cluster.any_lagging(now) {
+                // Its client may have been on a node cut off from this one meanwhile, which
+                // made a version of it: what it gets here is told to that node once the two
+                // are in touch (`TakenIds`).
+                self.start_recent(sid, now);
+            }
             self.resend_inflight(sid, id, now);
         }
         self.pump(sid, now);

@@ -433,6 +433,13 @@ impl Engine {
             if (listing != Listing::No || !taken.is_empty())
                 && self.taken_elsewhere(sid, taken, listing, now)
             {
+                if let Scope::Forwarded { from, .. } = scope {
+                    let key = self.cluster.peer_key(from);
+                    self.wait_for_twin(sid, key, now);
+                }
+                continue;
+            }
+            if !origin && self.twin_took(sid, msg.id, 0, now) {
                 continue;
             }
             if self.claims.relaying(sid) {

@@ -293,6 +293,11 @@ pub struct RecentIds {
     /// ended yet, and until when it waits for each: meanwhile nothing new is sent to the
     /// client, so that the older messages they bring go first (`cluster_kept`).
     pub kept_waits: Vec<(u64, u64)>,
+    /// Messages another version of the session took while its node was cut off from this
+    /// one (`TakenIds`, broker::cluster_kept), until `twin_until`; the key of that node.
+    pub twin: HashSet<u128>,
+    pub twin_node: u64,
+    pub twin_until: u64,
 }
 
 impl Session {

@@ -77,6 +77,8 @@ const ITEM_CLAIM_ROUTE: u8 = 28;
 const ITEM_CLAIM_ROUTED: u8 = 29;
 /// Protocol 12.
 const ITEM_KEPT_END: u8 = 30;
+/// Protocol 13.
+const ITEM_TAKEN_IDS: u8 = 31;
 /// `Homes` flags.
 const HOMES_FIRST: u8 = 1;
 const HOMES_LAST: u8 = 2;
@@ -227,9 +229,20 @@ pub enum Item<'a> {
     },
     /// The sender's answer to the receiver's `KeptAsk` for `client_id` ends here: what the
     /// sender kept in memory went before this item (protocol 12). What comes after it from
-    /// the sender is newer than all of that.
+    /// the sender is newer than all of that. Also sent after what a version of the session
+    /// on the sender, found older, handed over to the receiver's (protocol 13).
     KeptEnd {
         client_id: &'a str,
+    },
+    /// The version of session `client_id` on the node with key `node` took the messages
+    /// with `ids` while it was cut off from the receiver (what was kept for the session's
+    /// old home, `cluster_kept`): the receiver's version of it does not take them from
+    /// another path (protocol 13). Sent ahead of what waited for the receiver, and passed
+    /// on along a relay of the session.
+    TakenIds {
+        client_id: &'a str,
+        node: u64,
+        ids: Vec<u128>,
     },
     /// The sender (a session's home) has applied the reliable batches of the node with key
     /// `node` of its incarnation `epoch` up to `seq`, and the copies they made went before
@@ -585,6 +598,23 @@ impl ItemWriter {
 
     pub fn kept_end(&mut self, client_id: &str) {
         self.w.u8(ITEM_KEPT_END).bytes(client_id.as_bytes());
+        self.count += 1;
+    }
+
+    pub fn taken_ids(
+        &mut self,
+        client_id: &str,
+        node: u64,
+        ids: impl ExactSizeIterator<Item = u128>,
+    ) {
+        self.w
+            .u8(ITEM_TAKEN_IDS)
+            .bytes(client_id.as_bytes())
+            .u64(node)
+            .u32(ids.len() as u32);
+        for id in ids {
+            self.w.u64((id >> 64) as u64).u64(id as u64);
+        }
         self.count += 1;
     }
 
@@ -1061,6 +1091,16 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
                 ask,
             }
         }
+        ITEM_TAKEN_IDS => {
+            let client_id = client_id(r.bytes()?)?;
+            let node = r.u64()?;
+            let ids = read_ids(r)?;
+            Item::TakenIds {
+                client_id,
+                node,
+                ids,
+            }
+        }
         ITEM_KEPT_STATE => {
             let client_id = client_id(r.bytes()?)?;
             let home = r.u64()?;
@@ -1069,12 +1109,7 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
             for _ in 0..n {
                 marks.push(read_mark(r)?);
             }
-            let n = r.u32()?;
-            let mut ids = Vec::new();
-            for _ in 0..n {
-                let high = r.u64()?;
-                ids.push(u128::from(high) << 64 | u128::from(r.u64()?));
-            }
+            let ids = read_ids(r)?;
             Item::KeptState {
                 client_id,
                 home,
@@ -1151,6 +1186,17 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
         }
         tag => return Err(BatchError(format!("unknown batch item 0x{tag:02x}"))),
     })
+}
+
+/// A count, then that many message ids.
+fn read_ids(r: &mut Reader<'_>) -> Result<Vec<u128>, BatchError> {
+    let n = r.u32()?;
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        let high = r.u64()?;
+        ids.push(u128::from(high) << 64 | u128::from(r.u64()?));
+    }
+    Ok(ids)
 }
 
 fn read_mark(r: &mut Reader<'_>) -> Result<Mark, BatchError> {
@@ -1326,6 +1372,7 @@ mod tests {
         w.claim_route("dev-9", 17);
         w.claim_routed("dev-9", 17, stamp, &[5, 6]);
         w.kept_state("dev-4", 99, &[mark], [7u128 << 64 | 3, 1].into_iter());
+        w.taken_ids("dev-4", 98, [9u128 << 64 | 4].into_iter());
         w.safe(8, 9);
         let subs = [
             KeptSub {
@@ -1494,6 +1541,11 @@ mod tests {
                     home: 99,
                     marks: vec![mark],
                     ids: vec![7u128 << 64 | 3, 1]
+                },
+                Item::TakenIds {
+                    client_id: "dev-4",
+                    node: 98,
+                    ids: vec![9u128 << 64 | 4]
                 },
                 Item::Safe { epoch: 8, seq: 9 },
                 Item::KeptAsk {

@@ -80,11 +80,14 @@ MAGIC = "fastbroker-cluster"
 # for a peer that may be cut off lists the persistent sessions here that took it (a flag
 # on Message), so a version of one of them made there meanwhile does not deliver it again.
 # Version 12: a node asked for what it kept for a dead home ends its answer (KeptEnd), and
-# the asking session sends its client nothing newer until then.
+# the asking session sends its client nothing newer until then. Version 13: a node whose
+# link comes back first tells the peer which kept messages its sessions taken over from a
+# dead home took (TakenIds, ahead of the batches that waited), so the peer's version of such
+# a session, made while the two were cut off, does not deliver them again.
 # HELLO's optional "cluster_id" (ignored by nodes that do not send it) refuses links between
 # nodes of different clusters, whatever the version.
 PROTOCOL_MIN = 2
-PROTOCOL_MAX = 12
+PROTOCOL_MAX = 13
 
 CONTROL = "control"
 DATA_CHANNEL = "data"
