@@ -486,6 +486,12 @@ impl Engine {
     }
 
     /// Whether this node has a claim of `client_id` in flight.
+    /// The stamp of this node's claim of `client_id` waiting for answers.
+    #[cfg(test)]
+    pub(super) fn pending_claim_stamp(&self, client_id: &str) -> Option<Stamp> {
+        self.claims.pending.get(client_id).map(|c| c.stamp)
+    }
+
     pub(super) fn claims_pending(&self, client_id: &str) -> bool {
         self.claims.pending.contains_key(client_id)
     }
@@ -772,6 +778,15 @@ impl Engine {
         let held = self.replace_unconfirmed(client_id, peer, now);
         if !self.by_client.contains_key(client_id) {
             self.install_session(client_id, records, marks, now);
+        } else {
+            // Another answer to this claim brought a version already (after a split, each
+            // side may have held one): what this one held for the client is kept too.
+            let merged = self.merge_handed_over(client_id, records, now);
+            self.event(
+                "claim_merged",
+                Arc::from(client_id),
+                format!("a second version of the session answered the claim: {merged} of its messages passed on (once each)"),
+            );
         }
         if let Some(&sid) = self.by_client.get(client_id) {
             for h in held {

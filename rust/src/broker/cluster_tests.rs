@@ -4808,3 +4808,51 @@ fn two_versions_merged_then_claimed_bring_what_each_held_once() {
     // Once each: "k1" and "k2", which the client got on node 0, are not delivered again.
     assert_resumed(&mut n, 2, on2, &["q1", "q2"]);
 }
+
+/// A batch from a peer answering `client_id`'s claim `stamp` with `records`.
+fn claim_answer_batch(client_id: &str, stamp: Stamp, records: &[(Vec<u8>, Vec<u8>)]) -> Vec<u8> {
+    let mut w = batch::ItemWriter::default();
+    w.claim_answer(client_id, stamp, records, None, None);
+    body_of(&w.finish(batch::Header::default()))
+}
+
+#[test]
+fn a_claim_answered_by_two_versions_of_a_session_keeps_what_each_held() {
+    // Found by the fault-injection run's long splits (43 acknowledged messages lost): right
+    // after a heal, a claim reached both nodes that held a version of the session (node 0's
+    // queued "q1" and "q2" while cut off, node 1's "r1"), and the second answer was dropped.
+    let (mut n, mut disks, [_, publisher, back]) = dev_resumed_on_cut_off_node0_and_back_on_node1();
+    for p in ["q1", "q2"] {
+        n.h[0].publish(publisher, "cmd/dev", p, QoS::AtLeastOnce, false);
+    }
+    let now = n.h[1].now;
+    n.h[1].e.closed(back, now);
+    let pub2 = connect_on(&mut n, 2, super::tests::connect("pub2", Protocol::V5, true));
+    n.h[2].publish(pub2, "cmd/dev", "r1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    let records = |n: &Nodes, i: usize| {
+        let sid = n.h[i].e.by_client["dev"];
+        n.h[i].e.session_records(sid, true, n.h[i].now)
+    };
+    let (from0, from1) = (records(&n, 0), records(&n, 1));
+    // The heal; what nodes 0 and 1 send node 2 is lost but for the two answers below.
+    n.mute = vec![(0, 2), (1, 2)];
+    for j in 1..3 {
+        n.cut.retain(|&l| l != (0, j) && l != (j, 0));
+        let (a, b) = (n.peer[0][j], n.peer[j][0]);
+        n.h[0].e.cluster_link(a, true);
+        n.h[j].e.cluster_link(b, true);
+    }
+    let on2 = n.h[2].open_connect(persistent_v5("dev"));
+    let stamp = n.h[2].e.pending_claim_stamp("dev").expect("claiming");
+    settle_and_sync(&mut n, &mut disks);
+    let now = n.h[2].now;
+    for (from, records) in [(0, &from0), (1, &from1)] {
+        let peer = n.peer[2][from];
+        let body = claim_answer_batch("dev", stamp, records);
+        n.h[2].e.cluster_feed(peer, &body, now).unwrap();
+    }
+    let events = n.h[2].e.take_events();
+    assert!(events.iter().any(|e| e.0 == "claim_merged"), "{events:?}");
+    assert_resumed(&mut n, 2, on2, &["q1", "q2", "r1"]);
+}
