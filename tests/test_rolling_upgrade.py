@@ -1,5 +1,5 @@
 """A rolling upgrade with two real builds side by side (issue 17, docs/upgrade.md): a cluster
-with one node on the previous release (inter-node protocol 11) and two on this one (12)
+with one node on the previous release (inter-node protocol 12) and two on this one (13)
 routes, keeps retained messages and moves sessions both ways; then that node is upgraded
 with a planned stop, and its session resumes on the new build."""
 
@@ -25,8 +25,8 @@ from test_cluster_routing import (
     wait_rows,
 )
 
-# The previous release: the last commit that speaks protocol 11 (before KeptEnd).
-PREVIOUS = "0cde9fd"
+# The previous release: the last commit that speaks protocol 12 (before TakenIds).
+PREVIOUS = "a1db3b8"
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +54,11 @@ def test_a_cluster_runs_mixed_during_an_upgrade_and_after_it(tmp_path, previous_
     with Cluster(tmp_path) as cluster:
         cluster.node(3).build = previous_build
         n1, n2, n3 = start_cluster(cluster, 3)
-        assert "up, protocol 11" in n1.log() and "up, protocol 12" in n1.log()
-        # n3 runs the previous engine too: it lacks a counter added since (kept_reordered).
+        assert "up, protocol 12" in n1.log() and "up, protocol 13" in n1.log()
+        # n3 runs the previous engine too: it lacks a counter added since (taken_told).
         probe = (
             "import fastbroker_core as c; "
-            "print(c.__file__, 'kept_reordered' in c.Engine().claim_stats())"
+            "print(c.__file__, 'taken_told' in c.Engine().claim_stats())"
         )
         old = subprocess.run(
             [sys.executable, "-c", probe],
@@ -123,7 +123,7 @@ def test_a_cluster_runs_mixed_during_an_upgrade_and_after_it(tmp_path, previous_
         n3.build = None
         cluster.start(3)
         cluster.wait_converged(["n1", "n2", "n3"], 30)
-        wait_for(lambda: "up, protocol 12" in n3.log(), 15, "n3 linked on protocol 12", n3)
+        wait_for(lambda: "up, protocol 13" in n3.log(), 15, "n3 linked on protocol 13", n3)
         wait_for(lambda: serving(n3), 15, "n3 serving MQTT", n3)
         back = Client(endpoint(n3), client_id=dev, version=5, clean=False, props=expiry)
         assert back.connect(timeout=10).session_present
