@@ -115,6 +115,23 @@ struct Outgoing {
     rows: u64,
 }
 
+impl Outgoing {
+    /// A batch just sealed, neither sent nor stored yet.
+    fn unsent(seq: u64, epoch: u64, frame: Vec<u8>, rows: u64) -> Outgoing {
+        Outgoing {
+            seq,
+            epoch,
+            len: frame.len(),
+            frame,
+            sent: false,
+            stored: None,
+            spilled: false,
+            loading: false,
+            rows,
+        }
+    }
+}
+
 /// A batch of a down peer's queue: its record in the store (if kept there), and what
 /// `each_kept_frame` tells of the batches in memory.
 pub(super) struct KeptBatch {
@@ -293,17 +310,8 @@ impl Peer {
         } else {
             self.unacked_bytes += frame.len();
         }
-        self.out.push_back(Outgoing {
-            seq,
-            epoch,
-            len: frame.len(),
-            frame,
-            sent: false,
-            stored: None,
-            spilled: false,
-            loading: false,
-            rows: self.rows_queued,
-        });
+        self.out
+            .push_back(Outgoing::unsent(seq, epoch, frame, self.rows_queued));
         self.item_messages = 0;
         self.bound_queue();
     }
@@ -657,17 +665,7 @@ impl Cluster {
         };
         let frame = items.finish_with(header, false);
         peer.waiting_qos0_bytes += frame.len();
-        peer.out.push_front(Outgoing {
-            seq: 0,
-            epoch,
-            len: frame.len(),
-            frame,
-            sent: false,
-            stored: None,
-            spilled: false,
-            loading: false,
-            rows: 0,
-        });
+        peer.out.push_front(Outgoing::unsent(0, epoch, frame, 0));
         self.has_output = true;
     }
 

@@ -4626,6 +4626,37 @@ fn a_node_that_has_not_joined_its_cluster_refuses_connects_until_its_first_map()
     assert_eq!(connack(&got).reason_code, 0, "{got:?}");
 }
 
+/// Node 0's links to the others come back; nothing moves until the caller settles.
+fn relink_node0(n: &mut Nodes) {
+    for j in 1..n.h.len() {
+        n.cut.retain(|&l| l != (0, j) && l != (j, 0));
+        let (a, b) = (n.peer[0][j], n.peer[j][0]);
+        n.h[0].e.cluster_link(a, true);
+        n.h[j].e.cluster_link(b, true);
+    }
+}
+
+/// Nodes whose owners of "dev" are 1 and 0: "dev" (persistent, QoS 1 on `cmd/#`), "watch"
+/// (a clean session on `cmd/#`) and "pub" connected to the nodes `on` names, in that order,
+/// then node 0 cut off from the others. Their connections.
+fn cut_off_with_dev_watch_pub_on(on: [usize; 3]) -> (Nodes, Vec<Disk>, [crate::broker::ConnId; 3]) {
+    let (mut n, mut disks) = copying_nodes(3, &[1, 0], 0);
+    let dev = connect_on(&mut n, on[0], persistent_v5("dev"));
+    n.h[on[0]].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    let watch = super::tests::connect("watch", Protocol::V5, true);
+    let watcher = connect_on(&mut n, on[1], watch);
+    n.h[on[1]].subscribe(watcher, "cmd/#", QoS::AtLeastOnce);
+    let pub_ = super::tests::connect("pub", Protocol::V5, true);
+    let publisher = connect_on(&mut n, on[2], pub_);
+    settle_and_sync(&mut n, &mut disks);
+    for h in &mut n.h {
+        h.recv();
+    }
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    (n, disks, [dev, watcher, publisher])
+}
+
 /// Node 0 is cut off with "pub"'s messages "k1" and "k2" kept for node 1 ("dev"'s home as
 /// node 0 knows it) and for node 2 ("watch" there). "dev"'s client moves to node 2 (node 1
 /// hands the session over and relays for it), then to node 0, which resumes it from its
@@ -4633,21 +4664,7 @@ fn a_node_that_has_not_joined_its_cluster_refuses_connects_until_its_first_map()
 /// The watcher's, "pub"'s and the last CONNECT's connections.
 fn dev_resumed_on_cut_off_node0_and_back_on_node1() -> (Nodes, Vec<Disk>, [crate::broker::ConnId; 3])
 {
-    let (mut n, mut disks) = copying_nodes(3, &[1, 0], 0);
-    let dev = connect_on(&mut n, 1, persistent_v5("dev"));
-    n.h[1].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
-    let watcher = connect_on(
-        &mut n,
-        2,
-        super::tests::connect("watch", Protocol::V5, true),
-    );
-    n.h[2].subscribe(watcher, "cmd/#", QoS::AtLeastOnce);
-    let publisher = connect_on(&mut n, 0, super::tests::connect("pub", Protocol::V5, true));
-    settle_and_sync(&mut n, &mut disks);
-    n.h[1].recv();
-    n.h[2].recv();
-    n.cut_link(0, 1);
-    n.cut_link(0, 2);
+    let (mut n, mut disks, [dev, watcher, publisher]) = cut_off_with_dev_watch_pub_on([1, 2, 0]);
     for p in ["k1", "k2"] {
         n.h[0].publish(publisher, "cmd/dev", p, QoS::AtLeastOnce, false);
     }
@@ -4710,12 +4727,7 @@ fn what_a_cut_off_version_held_reaches_the_client_before_newer_messages_after_th
         n.h[0].publish(publisher, "cmd/dev", p, QoS::AtLeastOnce, false);
     }
     settle_and_sync(&mut n, &mut disks);
-    for j in 1..3 {
-        n.cut.retain(|&l| l != (0, j) && l != (j, 0));
-        let (a, b) = (n.peer[0][j], n.peer[j][0]);
-        n.h[0].e.cluster_link(a, true);
-        n.h[j].e.cluster_link(b, true);
-    }
+    relink_node0(&mut n);
     n.h[0].publish(publisher, "cmd/dev", "n1", QoS::AtLeastOnce, false);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(payloads(&n.h[1].recv_one(back)), ["q1", "q2", "n1"]);
@@ -4728,19 +4740,7 @@ fn what_a_session_got_before_its_client_went_to_a_cut_off_node_is_not_delivered_
     // for node 0 too: a watcher there). Then its client goes to node 0, which resumes it
     // from its copy, made before the split. When the split heals node 2's queue for node 0
     // brings "m1" and "m2": not to the session there again.
-    let (mut n, mut disks) = copying_nodes(3, &[1, 0], 0);
-    let dev = connect_on(&mut n, 2, persistent_v5("dev"));
-    n.h[2].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
-    let watcher = connect_on(
-        &mut n,
-        0,
-        super::tests::connect("watch", Protocol::V5, true),
-    );
-    n.h[0].subscribe(watcher, "cmd/#", QoS::AtLeastOnce);
-    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
-    settle_and_sync(&mut n, &mut disks);
-    n.cut_link(0, 1);
-    n.cut_link(0, 2);
+    let (mut n, mut disks, [dev, watcher, publisher]) = cut_off_with_dev_watch_pub_on([2, 0, 2]);
     let on1 = reconnect_elsewhere(&mut n, &mut disks, (2, dev), 1, "dev");
     assert_resumed(&mut n, 1, on1, &[]);
     for p in ["m1", "m2"] {
@@ -4793,12 +4793,7 @@ fn two_versions_merged_then_claimed_bring_what_each_held_once() {
     let now = n.h[1].now;
     n.h[1].e.closed(back, now);
     settle_and_sync(&mut n, &mut disks);
-    for j in 1..3 {
-        n.cut.retain(|&l| l != (0, j) && l != (j, 0));
-        let (a, b) = (n.peer[0][j], n.peer[j][0]);
-        n.h[0].e.cluster_link(a, true);
-        n.h[j].e.cluster_link(b, true);
-    }
+    relink_node0(&mut n);
     let on2 = n.h[2].open_connect(persistent_v5("dev"));
     settle_and_sync(&mut n, &mut disks);
     for i in 0..3 {
@@ -4837,12 +4832,7 @@ fn a_claim_answered_by_two_versions_of_a_session_keeps_what_each_held() {
     let (from0, from1) = (records(&n, 0), records(&n, 1));
     // The heal; what nodes 0 and 1 send node 2 is lost but for the two answers below.
     n.mute = vec![(0, 2), (1, 2)];
-    for j in 1..3 {
-        n.cut.retain(|&l| l != (0, j) && l != (j, 0));
-        let (a, b) = (n.peer[0][j], n.peer[j][0]);
-        n.h[0].e.cluster_link(a, true);
-        n.h[j].e.cluster_link(b, true);
-    }
+    relink_node0(&mut n);
     let on2 = n.h[2].open_connect(persistent_v5("dev"));
     let stamp = n.h[2].e.pending_claim_stamp("dev").expect("claiming");
     settle_and_sync(&mut n, &mut disks);
