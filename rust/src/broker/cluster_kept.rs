@@ -34,7 +34,7 @@
 //! each publishing node are put back in that node's order (their ids), in the places they
 //! hold.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use super::cluster::{message_from_wire, KeptBatch, PeerId};
@@ -440,12 +440,7 @@ impl Engine {
             .by_client
             .iter()
             .filter_map(|(client, &sid)| {
-                let recent = self.session(sid)?.recent.as_ref()?;
-                let fresh = now < recent.until;
-                let mut ids: Vec<u128> = self.kept_state(sid, now).map(|k| k.2).unwrap_or_default();
-                if fresh {
-                    ids.extend(recent.ids.iter().copied());
-                }
+                let mut ids: Vec<u128> = self.told_taken(sid, now).into_iter().collect();
                 ids.truncate(TAKEN_IDS_MAX);
                 (!ids.is_empty()).then(|| (client.clone(), ids))
             })
@@ -460,6 +455,23 @@ impl Engine {
                 items.taken_ids(client, own, ids.iter().copied());
             }
         });
+    }
+
+    /// What session `sid` tells a peer whose link comes up that it took (`send_taken_ids`):
+    /// the ids of what reached it in the `RECENT_MS` since it came here (or its client came
+    /// back), and of what was kept for its dead home.
+    pub(super) fn told_taken(&self, sid: SessionId, now: u64) -> HashSet<u128> {
+        let Some(recent) = self.session(sid).and_then(|s| s.recent.as_ref()) else {
+            return HashSet::new();
+        };
+        let mut ids = HashSet::new();
+        if let Some((_, _, kept)) = self.kept_state(sid, now) {
+            ids.extend(kept);
+        }
+        if now < recent.until {
+            ids.extend(recent.ids.iter().copied());
+        }
+        ids
     }
 
     /// Peer `peer` says the version of `client_id` on the node with key `node` took the

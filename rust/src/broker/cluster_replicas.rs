@@ -852,11 +852,13 @@ impl Engine {
         // worse than the rare message only this node held, and what other nodes kept for
         // this one while it was away went to `to` when it asked them: `cluster_kept`) --
         // but for those taken while `to` lagged (`WireMessage::taken`): only this version
-        // has them, whatever its age.
+        // has them, whatever its age; nor for those this node told `to` it took (`TakenIds`):
+        // the newer version skipped them.
         let age = self.wall(now).saturating_sub(newer.clock >> 16);
         let taken_from = self.session(sid).map_or(0, |s| s.taken_from_seq);
+        let told = self.told_taken(sid, now);
         let old = age >= OWN_RELAY_MS;
-        if old && taken_from == 0 {
+        if old && taken_from == 0 && told.is_empty() {
             if let Some(client) = self.session(sid).map(|s| s.client_id.clone()) {
                 self.replicas.installed.remove(&client);
             }
@@ -881,7 +883,11 @@ impl Engine {
                 let flying = s.inflight.iter().map(|f| &f.delivery);
                 flying
                     .chain(s.queue.iter())
-                    .filter(|d| d.msg.id != 0 && (!old || (d.seq != 0 && d.seq >= taken_from)))
+                    .filter(|d| {
+                        let id = d.msg.id;
+                        let taken = d.seq != 0 && taken_from != 0 && d.seq >= taken_from;
+                        id != 0 && (!old || taken || told.contains(&id))
+                    })
                     .map(|d| (d.msg.clone(), d.qos, d.retain, d.sub_ids.clone()))
                     .collect()
             })
