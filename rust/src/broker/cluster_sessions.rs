@@ -485,13 +485,13 @@ impl Engine {
         }
     }
 
-    /// Whether this node has a claim of `client_id` in flight.
     /// The stamp of this node's claim of `client_id` waiting for answers.
     #[cfg(test)]
     pub(super) fn pending_claim_stamp(&self, client_id: &str) -> Option<Stamp> {
         self.claims.pending.get(client_id).map(|c| c.stamp)
     }
 
+    /// Whether this node has a claim of `client_id` in flight.
     pub(super) fn claims_pending(&self, client_id: &str) -> bool {
         self.claims.pending.contains_key(client_id)
     }
@@ -785,7 +785,10 @@ impl Engine {
             self.event(
                 "claim_merged",
                 Arc::from(client_id),
-                format!("a second version of the session answered the claim: {merged} of its messages passed on (once each)"),
+                format!(
+                    "a second version of the session answered the claim: {merged} of its \
+                     messages passed on (once each)"
+                ),
             );
         }
         if let Some(&sid) = self.by_client.get(client_id) {

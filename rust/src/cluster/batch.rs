@@ -235,9 +235,9 @@ pub enum Item<'a> {
         client_id: &'a str,
     },
     /// The version of session `client_id` on the node with key `node` took the messages
-    /// with `ids` while it was cut off from the receiver (what was kept for the session's
-    /// old home, `cluster_kept`): the receiver's version of it does not take them from
-    /// another path (protocol 13). Sent ahead of what waited for the receiver, and passed
+    /// with `ids` (what reached it since it moved there, and what was kept for its old
+    /// home, `cluster_kept`), maybe while cut off from the receiver: the receiver's version
+    /// of it does not take them from another path (protocol 13). Sent ahead of what waited for the receiver, and passed
     /// on along a relay of the session.
     TakenIds {
         client_id: &'a str,
@@ -610,12 +610,17 @@ impl ItemWriter {
         self.w
             .u8(ITEM_TAKEN_IDS)
             .bytes(client_id.as_bytes())
-            .u64(node)
-            .u32(ids.len() as u32);
+            .u64(node);
+        self.ids(ids);
+        self.count += 1;
+    }
+
+    /// A count, then that many message ids (`read_ids`).
+    fn ids(&mut self, ids: impl ExactSizeIterator<Item = u128>) {
+        self.w.u32(ids.len() as u32);
         for id in ids {
             self.w.u64((id >> 64) as u64).u64(id as u64);
         }
-        self.count += 1;
     }
 
     pub fn kept_state(
@@ -633,10 +638,7 @@ impl ItemWriter {
         for m in marks {
             self.w.u64(m.node).u64(m.epoch).u64(m.seq);
         }
-        self.w.u32(ids.len() as u32);
-        for id in ids {
-            self.w.u64((id >> 64) as u64).u64(id as u64);
-        }
+        self.ids(ids);
         self.count += 1;
     }
 
