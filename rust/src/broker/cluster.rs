@@ -155,6 +155,9 @@ struct Peer {
     seen_up: bool,
     /// Since when its link is down (ms; meaningless while up).
     down_since: u64,
+    /// A batch with items has come on its link since it came up: the first one holds what
+    /// the peer's sessions took while the two were out of touch (`TakenIds`), if anything.
+    heard: bool,
     /// The filters this peer's sessions hold, and which version of them (in the peer's
     /// incarnation `rows_epoch`) is applied here.
     rows: HashSet<Arc<str>>,
@@ -209,6 +212,7 @@ impl Peer {
             protocol: 2,
             seen_up: false,
             down_since: 0,
+            heard: false,
             rows: HashSet::new(),
             rows_epoch: 0,
             rows_version: 0,
@@ -683,6 +687,24 @@ impl Cluster {
     }
 
     /// Peers up that speak protocol `min` or later.
+    /// The keys of the peers that lag (`Peer::lagging`) and tell what their sessions took
+    /// when their links come up (protocol `min` or later).
+    pub(super) fn lagging_keys(&self, min: u16, now: u64) -> Vec<u64> {
+        let peers = self.peers.iter().flatten();
+        peers
+            .filter(|p| p.protocol >= min && p.lagging(now))
+            .map(|p| p.key)
+            .collect()
+    }
+
+    /// Whether the node with key `key` has been heard from since its link came up (what it
+    /// took is known), or is no longer a peer.
+    pub(super) fn heard_or_gone(&self, key: u64) -> bool {
+        self.peer_by_key(key)
+            .and_then(|id| self.peer_ref(id))
+            .is_none_or(|p| p.up && p.heard)
+    }
+
     pub(super) fn up_peers_from(&self, min: u16) -> Vec<PeerId> {
         self.peers
             .iter()
@@ -1320,6 +1342,7 @@ impl Engine {
         }
         peer.up = up;
         peer.writable = true;
+        peer.heard = false;
         peer.stats.retained_synced = false;
         if up {
             peer.seen_up = true;
@@ -1336,6 +1359,7 @@ impl Engine {
             }
             c.queue_snapshot(id);
             self.send_taken_ids(id, now);
+            self.wait_for_untold(id, now);
             // Before the retained set, whose end tells the peer that it is in touch again:
             // which of its sessions live on elsewhere now and which of its wills went out
             // meanwhile (it publishes the wills it kept only then).
@@ -1781,6 +1805,7 @@ impl Engine {
             let peer = c.peer_mut(id).expect("checked");
             if h.seq <= peer.recv_seq {
                 // Sent again after a reconnect, and applied before: acknowledged again only.
+                self.heard_from(id, !items.is_empty(), now);
                 return Ok(());
             }
             peer.recv_seq = h.seq;
@@ -1793,6 +1818,7 @@ impl Engine {
         let peer = c.peer_mut(id).expect("checked");
         peer.stats.messages_in += messages.len() as u64;
         let mut messages = messages.into_iter();
+        let has_items = !items.is_empty();
         for item in items {
             let c = &mut self.cluster;
             match item {
@@ -1973,7 +1999,23 @@ impl Engine {
         if std::mem::take(&mut self.replicas.degraded) {
             self.replicas_degraded_ack();
         }
+        self.heard_from(id, has_items, now);
         Ok(())
+    }
+
+    /// A batch from peer `id` was applied (`has_items`: it was more than an
+    /// acknowledgement): the first since its link came up brought what its sessions took
+    /// (`TakenIds`, sent first), so the sessions here that waited for that send on.
+    fn heard_from(&mut self, id: PeerId, has_items: bool, now: u64) {
+        let Some(peer) = self.cluster.peer_mut(id) else {
+            return;
+        };
+        if !has_items || peer.heard || !peer.up {
+            return;
+        }
+        peer.heard = true;
+        let key = peer.key;
+        self.told_by(key, now);
     }
 
     /// Works out which peers `msg` goes to: those with a matching plain row (every peer for

@@ -213,8 +213,10 @@ impl Engine {
             };
             let had = !recent.kept_waits.is_empty();
             let mut timed_out = 0;
+            let untold = &recent.untold;
             recent.kept_waits.retain(|&(key, until)| {
-                let up = c.peer_by_key(key).is_some_and(|p| c.peer_up(p));
+                // A node yet to say what it took is waited for while its link is down too.
+                let up = untold.contains(&key) || c.peer_by_key(key).is_some_and(|p| c.peer_up(p));
                 timed_out += u64::from(up && now >= until);
                 up && now < until
             });
@@ -459,9 +461,14 @@ impl Engine {
 
     /// What session `sid` tells a peer whose link comes up that it took (`send_taken_ids`):
     /// the ids of what reached it in the `RECENT_MS` since it came here (or its client came
-    /// back), and of what was kept for its dead home.
+    /// back), and of what was kept for its dead home, that went to its client. Not those
+    /// still queued: the peer's version may hold them queued too, and would drop them
+    /// (`unqueue_twin_took`) as this one would drop what it lists.
     pub(super) fn told_taken(&self, sid: SessionId, now: u64) -> HashSet<u128> {
-        let Some(recent) = self.session(sid).and_then(|s| s.recent.as_ref()) else {
+        let Some(session) = self.session(sid) else {
+            return HashSet::new();
+        };
+        let Some(recent) = session.recent.as_ref() else {
             return HashSet::new();
         };
         let mut ids = HashSet::new();
@@ -470,6 +477,9 @@ impl Engine {
         }
         if now < recent.until {
             ids.extend(recent.ids.iter().copied());
+        }
+        for d in &session.queue {
+            ids.remove(&d.msg.id);
         }
         ids
     }
@@ -495,6 +505,12 @@ impl Engine {
             let room = TAKEN_IDS_MAX.saturating_sub(recent.twin.len());
             let ids = ids.iter().copied().filter(|&id| id != 0);
             recent.twin.extend(ids.take(room));
+            if self.cluster.peer_key(peer) == node {
+                // Straight from that version's node, ahead of anything it sends: what waits
+                // here with those ids came by other paths (queues of other nodes, whose
+                // links came up first).
+                self.unqueue_twin_took(sid, now);
+            }
         } else if let Some(to) = self.relay_of(client_id).filter(|&to| to != peer) {
             self.cluster.queue_taken_ids(to, client_id, node, ids);
         }
@@ -535,6 +551,103 @@ impl Engine {
             .is_some_and(|p| self.cluster.peer_protocol(p) >= TAKEN_IDS_PROTOCOL);
         if speaks {
             self.wait_for_kept(sid, &[node], now);
+        }
+    }
+
+    /// Drops from session `sid`'s queue what its other version took (`RecentIds::twin`):
+    /// that version delivered those, or hands them over with what it held.
+    fn unqueue_twin_took(&mut self, sid: SessionId, now: u64) {
+        let Some(s) = self.session_mut(sid) else {
+            return;
+        };
+        let Some(recent) = s.recent.as_ref() else {
+            return;
+        };
+        if recent.twin.is_empty() || !s.queue.iter().any(|d| recent.twin.contains(&d.msg.id)) {
+            return;
+        }
+        let node = recent.twin_node;
+        let mut freed = 0;
+        let mut dropped = Vec::new();
+        s.queue.retain(|d| {
+            if recent.twin.contains(&d.msg.id) {
+                freed += d.msg.payload.len();
+                dropped.push((d.msg.id, d.seq));
+                false
+            } else {
+                true
+            }
+        });
+        s.queued_bytes -= freed;
+        if let Some(recent) = s.recent.as_mut() {
+            // Not seen here after all: the other version's hand-over brings them.
+            for (id, _) in &dropped {
+                recent.ids.remove(id);
+                recent.kept.remove(id);
+            }
+        }
+        self.replicas.stats.taken_elsewhere += dropped.len() as u64;
+        for (_, seq) in dropped {
+            self.forget_delivery(sid, seq);
+        }
+        self.wait_for_twin(sid, node, now);
+    }
+
+    /// Peer `peer`'s link came up: the sessions whose client came back here while it and
+    /// other nodes were out of reach, and whose other nodes have yet to say what versions of
+    /// them took (`RecentIds::untold`), send nothing new until those have (at most
+    /// `KEPT_WAIT_MS`): `peer`'s queues for this node hold messages that such a version may
+    /// have taken, and its own node says so only once its link is up too.
+    pub(super) fn wait_for_untold(&mut self, peer: PeerId, now: u64) {
+        let key = self.cluster.peer_key(peer);
+        let mut waits = Vec::new();
+        for &sid in self.by_client.values() {
+            let Some(recent) = self.session(sid).and_then(|s| s.recent.as_ref()) else {
+                continue;
+            };
+            if !recent.untold.contains(&key) {
+                continue;
+            }
+            let others: Vec<u64> = recent
+                .untold
+                .iter()
+                .copied()
+                .filter(|&k| k != key && !self.cluster.heard_or_gone(k))
+                .collect();
+            if !others.is_empty() {
+                waits.push((sid, others));
+            }
+        }
+        for (sid, others) in waits {
+            self.wait_for_kept(sid, &others, now);
+        }
+    }
+
+    /// The node with key `key` said what its versions of sessions took (its first batch
+    /// since its link came up): the sessions here that waited for that send on.
+    pub(super) fn told_by(&mut self, key: u64, now: u64) {
+        let mut done = Vec::new();
+        for &sid in self.by_client.values() {
+            let Some(recent) = self
+                .sessions
+                .get_mut(sid as usize)
+                .and_then(Option::as_mut)
+                .and_then(|s| s.recent.as_mut())
+            else {
+                continue;
+            };
+            if !recent.untold.contains(&key) {
+                continue;
+            }
+            recent.untold.retain(|&k| k != key);
+            let before = recent.kept_waits.len();
+            recent.kept_waits.retain(|&(k, _)| k != key);
+            if before > 0 && recent.kept_waits.is_empty() {
+                done.push(sid);
+            }
+        }
+        for sid in done {
+            self.send_after_kept(sid, now);
         }
     }
 

@@ -54,7 +54,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::cluster::PeerId;
-use super::cluster_kept::KEPT_MAX;
+use super::cluster_kept::{KEPT_MAX, TAKEN_IDS_PROTOCOL};
 use super::cluster_replicas::THIS_NODE;
 use super::connect::PendingConnect;
 use super::router::Scope;
@@ -868,9 +868,12 @@ impl Engine {
         }
     }
 
-    /// Session `sid` was just installed here from another node's records: for `RECENT_MS`
-    /// it remembers the ids of what reaches it, starting with those of its records.
+    /// Session `sid` was just installed here from another node's records (or its client
+    /// came back while a peer lags): for `RECENT_MS` it remembers the ids of what reaches
+    /// it, starting with those of its records, and which lagging peers have yet to say what
+    /// another version of it took (`RecentIds::untold`).
     pub(super) fn start_recent(&mut self, sid: SessionId, now: u64) {
+        let lagging = self.cluster.lagging_keys(TAKEN_IDS_PROTOCOL, now);
         let Some(session) = self.session_mut(sid) else {
             return;
         };
@@ -879,6 +882,11 @@ impl Engine {
         let ids = session.inflight.iter().map(|f| f.delivery.msg.id);
         let ids = ids.chain(session.queue.iter().map(|d| d.msg.id));
         recent.ids.extend(ids.filter(|&id| id != 0));
+        for key in lagging {
+            if !recent.untold.contains(&key) {
+                recent.untold.push(key);
+            }
+        }
         session.recent = Some(recent);
     }
 
@@ -926,7 +934,11 @@ impl Engine {
             }
         }
         if now >= recent.until {
-            if recent.kept_from == 0 && recent.kept_waits.is_empty() && recent.twin.is_empty() {
+            if recent.kept_from == 0
+                && recent.kept_waits.is_empty()
+                && recent.twin.is_empty()
+                && recent.untold.is_empty()
+            {
                 session.recent = None;
             } else if !recent.ids.is_empty() {
                 recent.ids = Default::default();

@@ -298,6 +298,11 @@ pub struct RecentIds {
     pub twin: HashSet<u128>,
     pub twin_node: u64,
     pub twin_until: u64,
+    /// The nodes (keys) out of reach when the client came back here: each may hold
+    /// another version of the session, and says what it took first thing once its link is
+    /// up. Until it has, what other nodes send once theirs are up waits (at most
+    /// `KEPT_WAIT_MS`, broker::cluster_kept).
+    pub untold: Vec<u64>,
 }
 
 impl Session {
