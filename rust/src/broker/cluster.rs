@@ -674,10 +674,17 @@ impl Cluster {
     }
 
     /// Tells peer `id` (a node the session `client_id` moved to from here) which messages
-    /// another version of it, on the node with key `node`, took (`TakenIds`).
-    pub(super) fn queue_taken_ids(&mut self, id: PeerId, client_id: &str, node: u64, ids: &[u128]) {
+    /// another version of it (`stamp`), on the node with key `node`, delivered (`TakenIds`).
+    pub(super) fn queue_taken_ids(
+        &mut self,
+        id: PeerId,
+        client_id: &str,
+        stamp: Stamp,
+        node: u64,
+        ids: &[u128],
+    ) {
         self.queue_reliable(id, TAKEN_IDS_PROTOCOL, |items| {
-            items.taken_ids(client_id, node, ids.iter().copied());
+            items.taken_ids(client_id, stamp, node, ids.iter().copied());
         });
     }
 
@@ -686,7 +693,6 @@ impl Cluster {
         self.queue_reliable(id, 7, |items| items.applied(mark));
     }
 
-    /// Peers up that speak protocol `min` or later.
     /// The keys of the peers that lag (`Peer::lagging`) and tell what their sessions took
     /// when their links come up (protocol `min` or later).
     pub(super) fn lagging_keys(&self, min: u16, now: u64) -> Vec<u64> {
@@ -705,6 +711,7 @@ impl Cluster {
             .is_none_or(|p| p.up && p.heard)
     }
 
+    /// Peers up that speak protocol `min` or later.
     pub(super) fn up_peers_from(&self, min: u16) -> Vec<PeerId> {
         self.peers
             .iter()
@@ -1932,9 +1939,10 @@ impl Engine {
                 Item::KeptEnd { client_id } => self.kept_end_received(id, client_id, now),
                 Item::TakenIds {
                     client_id,
+                    stamp,
                     node,
                     ids,
-                } => self.taken_ids_received(id, client_id, node, &ids, now),
+                } => self.taken_ids_received(id, client_id, stamp, node, &ids, now),
                 Item::WillCopy {
                     client_id,
                     stamp,

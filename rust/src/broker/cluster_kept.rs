@@ -42,7 +42,7 @@ use super::cluster_kept_store::{Asker, Search};
 use super::cluster_sessions::RECENT_MS;
 use super::state::{Delivery, Message, SessionId};
 use super::Engine;
-use crate::cluster::batch::{self, Batch, Item, KeptSub, Mark, WireMessage};
+use crate::cluster::batch::{self, Batch, Item, KeptSub, Mark, Stamp, WireMessage};
 use crate::codec::QoS;
 use crate::store::records;
 use crate::topics;
@@ -438,13 +438,15 @@ impl Engine {
         if self.cluster.peer_protocol(peer) < TAKEN_IDS_PROTOCOL {
             return;
         }
-        let taken: Vec<(Arc<str>, Vec<u128>)> = self
+        let taken: Vec<(Arc<str>, Stamp, Vec<u128>)> = self
             .by_client
             .iter()
+            .filter(|(_, &sid)| self.moved_lately(sid, now))
             .filter_map(|(client, &sid)| {
+                let stamp = self.version_of(sid)?;
                 let mut ids: Vec<u128> = self.told_taken(sid, now).into_iter().collect();
                 ids.truncate(TAKEN_IDS_MAX);
-                (!ids.is_empty()).then(|| (client.clone(), ids))
+                Some((client.clone(), stamp, ids))
             })
             .collect();
         if taken.is_empty() {
@@ -453,10 +455,20 @@ impl Engine {
         self.claims.stats.taken_told += taken.len() as u64;
         let own = super::cluster_retained::node_key(&self.cluster.name);
         self.cluster.queue_first(peer, TAKEN_IDS_PROTOCOL, |items| {
-            for (client, ids) in &taken {
-                items.taken_ids(client, own, ids.iter().copied());
+            for (client, stamp, ids) in &taken {
+                items.taken_ids(client, *stamp, own, ids.iter().copied());
             }
         });
+    }
+
+    /// Whether session `sid` came here (or its client came back) in the last `RECENT_MS`,
+    /// or got what was kept for its dead home: a peer whose link comes up learns that this
+    /// version exists, with what it took (none, perhaps).
+    fn moved_lately(&self, sid: SessionId, now: u64) -> bool {
+        let Some(recent) = self.session(sid).and_then(|s| s.recent.as_ref()) else {
+            return false;
+        };
+        now < recent.until || self.kept_state(sid, now).is_some()
     }
 
     /// What session `sid` tells a peer whose link comes up that it took (`send_taken_ids`):
@@ -484,13 +496,14 @@ impl Engine {
         ids
     }
 
-    /// Peer `peer` says the version of `client_id` on the node with key `node` took the
-    /// messages `ids`: the session here does not take them from another path for a while;
-    /// one that moved on from here passes that on along its relay.
+    /// Peer `peer` says the version `stamp` of `client_id` on the node with key `node`
+    /// delivered the messages `ids`: the session here does not take them from another path
+    /// for a while; one that moved on from here passes that on along its relay.
     pub(super) fn taken_ids_received(
         &mut self,
         peer: PeerId,
         client_id: &str,
+        stamp: Stamp,
         node: u64,
         ids: &[u128],
         now: u64,
@@ -510,9 +523,36 @@ impl Engine {
                 // here with those ids came by other paths (queues of other nodes, whose
                 // links came up first).
                 self.unqueue_twin_took(sid, now);
+                let untold = self.session(sid).and_then(|s| s.recent.as_ref());
+                if untold.is_some_and(|r| r.untold.contains(&node)) {
+                    // This version was made while that node was out of reach: what that
+                    // one holds (older, if it gives way) goes to the client first.
+                    self.wait_for_twin(sid, node, now);
+                }
+                self.settle_twins(sid, peer, stamp, now);
             }
         } else if let Some(to) = self.relay_of(client_id).filter(|&to| to != peer) {
-            self.cluster.queue_taken_ids(to, client_id, node, ids);
+            self.cluster
+                .queue_taken_ids(to, client_id, stamp, node, ids);
+        }
+    }
+
+    /// Session `sid` here and version `stamp` of it on peer `peer` were made while the two
+    /// nodes were out of touch: the older gives way to the newer (as a copy check would
+    /// decide, but whichever nodes own the partition: after a split that removed one side
+    /// from the map, neither node may be an owner of the other's).
+    fn settle_twins(&mut self, sid: SessionId, peer: PeerId, stamp: Stamp, now: u64) {
+        let Some(ours) = self.version_of(sid) else {
+            return;
+        };
+        if ours < stamp {
+            self.give_up(sid, peer, stamp, now);
+        } else if ours > stamp {
+            let Some(client) = self.session(sid).map(|s| s.client_id.clone()) else {
+                return;
+            };
+            let me = self.cluster.name.clone();
+            self.cluster.queue_fence(peer, &client, ours, &me);
         }
     }
 
@@ -640,6 +680,10 @@ impl Engine {
                 continue;
             }
             recent.untold.retain(|&k| k != key);
+            if recent.twin_node == key && now < recent.twin_until {
+                // It holds another version: the wait goes on until that hands over.
+                continue;
+            }
             let before = recent.kept_waits.len();
             recent.kept_waits.retain(|&(k, _)| k != key);
             if before > 0 && recent.kept_waits.is_empty() {

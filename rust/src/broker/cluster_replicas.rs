@@ -672,7 +672,7 @@ impl Engine {
     }
 
     /// The version of session `sid` here: its stamp, or that of the claim it won.
-    fn version_of(&self, sid: SessionId) -> Option<Stamp> {
+    pub(super) fn version_of(&self, sid: SessionId) -> Option<Stamp> {
         let won = self.claims.won.get(&sid).copied();
         self.session(sid).and_then(|s| s.stamp).max(won)
     }
@@ -847,7 +847,7 @@ impl Engine {
     /// node of protocol 5) and what reached it since this node started (and `to` did not
     /// get itself) go there, then its subscriptions relay there for a while. Else the
     /// session is only dropped. No will either way: the session lives on there.
-    fn give_up(&mut self, sid: SessionId, to: PeerId, newer: Stamp, now: u64) {
+    pub(super) fn give_up(&mut self, sid: SessionId, to: PeerId, newer: Stamp, now: u64) {
         // Past that, `to` no longer tells them from what it delivered already (twice is
         // worse than the rare message only this node held, and what other nodes kept for
         // this one while it was away went to `to` when it asked them: `cluster_kept`) --
@@ -861,6 +861,8 @@ impl Engine {
         if old && taken_from == 0 && told.is_empty() {
             if let Some(client) = self.session(sid).map(|s| s.client_id.clone()) {
                 self.replicas.installed.remove(&client);
+                // The newer version may wait for what this one held (`wait_for_twin`).
+                self.cluster.queue_kept_end(to, &client);
             }
             self.fence_session(sid, now);
             return;

@@ -4810,6 +4810,92 @@ fn what_a_session_got_is_not_delivered_again_when_another_nodes_link_comes_back_
 }
 
 #[test]
+fn what_a_version_on_the_other_side_held_reaches_the_client_before_what_a_third_node_sends() {
+    // Found by the fault-injection run's long splits (20 reorders): "dev" moved to node 1
+    // and its client left; "m1" and "m2" wait in node 1's version. The client came back on
+    // node 0, cut off. Node 2's link to node 0 comes back first, and node 2 sends "m3" to
+    // node 0's version straight away: not to the client before node 1's version, older,
+    // handed over "m1" and "m2".
+    let (mut n, mut disks, [dev, _, publisher]) = cut_off_with_dev_watch_pub_on([2, 2, 2]);
+    let on1 = reconnect_elsewhere(&mut n, &mut disks, (2, dev), 1, "dev");
+    assert_resumed(&mut n, 1, on1, &[]);
+    let now = n.h[1].now;
+    n.h[1].e.closed(on1, now);
+    for p in ["m1", "m2"] {
+        n.h[2].publish(publisher, "cmd/dev", p, QoS::AtLeastOnce, false);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    for i in 0..3 {
+        tick_after(&mut n, i, 1_000);
+    }
+    let on0 = n.h[0].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    serve_copy_loads(&mut n.h[0], &disks[0]);
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 0, on0, &[]);
+    n.heal_link(0, 2);
+    n.h[2].publish(publisher, "cmd/dev", "m3", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[0].recv_one(on0)), Vec::<&str>::new());
+    n.heal_link(0, 1);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[0].recv_one(on0)), ["m1", "m2", "m3"]);
+}
+
+#[test]
+fn two_versions_whose_nodes_own_none_of_the_other_merge_after_the_heal() {
+    // Found by the fault-injection run's long splits (138 acknowledged messages lost): the
+    // owners of "dev" are nodes 2 and 0, its home node 1. Node 0 is cut off; the client
+    // goes there (a version from node 0's copy, which queues "q1" and "q2" once the client
+    // left), then back to node 1. When the split heals, copy checks go to owners only:
+    // node 2 knows neither version to be older, and nodes 0 and 1 never compare theirs.
+    // They do through what each tells the other first on the link (`TakenIds`): node 0's
+    // version, older, hands over "q1" and "q2".
+    let (mut n, mut disks) = copying_nodes(3, &[2, 0], 0);
+    let dev = connect_on(&mut n, 1, persistent_v5("dev"));
+    n.h[1].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    let pub_ = super::tests::connect("pub", Protocol::V5, true);
+    let publisher = connect_on(&mut n, 0, pub_);
+    settle_and_sync(&mut n, &mut disks);
+    for h in &mut n.h {
+        h.recv();
+    }
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    for i in 0..3 {
+        tick_after(&mut n, i, 1_000);
+    }
+    let on0 = reconnect_elsewhere(&mut n, &mut disks, (1, dev), 0, "dev");
+    serve_copy_loads(&mut n.h[0], &disks[0]);
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 0, on0, &[]);
+    for i in 0..3 {
+        tick_after(&mut n, i, 1_000);
+    }
+    let now = n.h[0].now;
+    n.h[0].e.closed(on0, now);
+    for p in ["q1", "q2"] {
+        n.h[0].publish(publisher, "cmd/dev", p, QoS::AtLeastOnce, false);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    for i in 0..3 {
+        tick_after(&mut n, i, 1_000);
+    }
+    let back = n.h[1].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 1, back, &[]);
+    n.heal_link(0, 1);
+    n.heal_link(0, 2);
+    settle_and_sync(&mut n, &mut disks);
+    for i in 0..3 {
+        tick_after(&mut n, i, 2_000);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["q1", "q2"]);
+    assert!(!n.h[0].e.by_client.contains_key("dev"));
+}
+
+#[test]
 fn two_versions_merged_then_claimed_bring_what_each_held_once() {
     // Found by the fault-injection run's long splits: node 0's version of "dev" queued
     // "q1" and "q2" while cut off; right after the heal the client connects to node 2.

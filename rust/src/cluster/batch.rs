@@ -234,13 +234,15 @@ pub enum Item<'a> {
     KeptEnd {
         client_id: &'a str,
     },
-    /// The version of session `client_id` on the node with key `node` took the messages
-    /// with `ids` (what reached it since it moved there, and what was kept for its old
-    /// home, `cluster_kept`), maybe while cut off from the receiver: the receiver's version
-    /// of it does not take them from another path (protocol 13). Sent ahead of what waited for the receiver, and passed
-    /// on along a relay of the session.
+    /// The version `stamp` of session `client_id` on the node with key `node` delivered the
+    /// messages with `ids` (of what reached it since it moved there, and what was kept for
+    /// its old home, `cluster_kept`), maybe while cut off from the receiver: the receiver's
+    /// version of it does not take them from another path, and the older of the two gives
+    /// way to the newer (protocol 13). Sent ahead of what waited for the receiver, and
+    /// passed on along a relay of the session.
     TakenIds {
         client_id: &'a str,
+        stamp: Stamp,
         node: u64,
         ids: Vec<u128>,
     },
@@ -604,15 +606,13 @@ impl ItemWriter {
     pub fn taken_ids(
         &mut self,
         client_id: &str,
+        stamp: Stamp,
         node: u64,
         ids: impl ExactSizeIterator<Item = u128>,
     ) {
-        self.w
-            .u8(ITEM_TAKEN_IDS)
-            .bytes(client_id.as_bytes())
-            .u64(node);
+        self.session_stamp(ITEM_TAKEN_IDS, client_id, stamp);
+        self.w.u64(node);
         self.ids(ids);
-        self.count += 1;
     }
 
     /// A count, then that many message ids (`read_ids`).
@@ -1095,10 +1095,12 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
         }
         ITEM_TAKEN_IDS => {
             let client_id = client_id(r.bytes()?)?;
+            let stamp = read_stamp(r)?;
             let node = r.u64()?;
             let ids = read_ids(r)?;
             Item::TakenIds {
                 client_id,
+                stamp,
                 node,
                 ids,
             }
@@ -1374,7 +1376,7 @@ mod tests {
         w.claim_route("dev-9", 17);
         w.claim_routed("dev-9", 17, stamp, &[5, 6]);
         w.kept_state("dev-4", 99, &[mark], [7u128 << 64 | 3, 1].into_iter());
-        w.taken_ids("dev-4", 98, [9u128 << 64 | 4].into_iter());
+        w.taken_ids("dev-4", stamp, 98, [9u128 << 64 | 4].into_iter());
         w.safe(8, 9);
         let subs = [
             KeptSub {
@@ -1546,6 +1548,7 @@ mod tests {
                 },
                 Item::TakenIds {
                     client_id: "dev-4",
+                    stamp,
                     node: 98,
                     ids: vec![9u128 << 64 | 4]
                 },
