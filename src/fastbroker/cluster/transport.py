@@ -81,9 +81,10 @@ MAGIC = "fastbroker-cluster"
 # on Message), so a version of one of them made there meanwhile does not deliver it again.
 # Version 12: a node asked for what it kept for a dead home ends its answer (KeptEnd), and
 # the asking session sends its client nothing newer until then. Version 13: a node whose
-# link comes back first tells the peer which kept messages its sessions taken over from a
-# dead home took (TakenIds, ahead of the batches that waited), so the peer's version of such
-# a session, made while the two were cut off, does not deliver them again.
+# link comes back first tells the peer, for each session that moved to it lately, the
+# session's version and what it delivered (TakenIds, ahead of the batches that waited), so
+# the peer's version of such a session, made while the two were cut off, does not deliver
+# those again, and the older of the two versions gives way to the newer.
 # HELLO's optional "cluster_id" (ignored by nodes that do not send it) refuses links between
 # nodes of different clusters, whatever the version.
 PROTOCOL_MIN = 2
