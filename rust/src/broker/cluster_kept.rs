@@ -216,9 +216,10 @@ impl Engine {
             let untold = &recent.untold;
             recent.kept_waits.retain(|&(key, until)| {
                 // A node yet to say what it took is waited for while its link is down too.
-                let up = untold.contains(&key) || c.peer_by_key(key).is_some_and(|p| c.peer_up(p));
-                timed_out += u64::from(up && now >= until);
-                up && now < until
+                let waited =
+                    untold.contains(&key) || c.peer_by_key(key).is_some_and(|p| c.peer_up(p));
+                timed_out += u64::from(waited && now >= until);
+                waited && now < until
             });
             self.claims.stats.kept_waits_timed_out += timed_out;
             if recent.kept_waits.is_empty() {
@@ -667,13 +668,9 @@ impl Engine {
     /// since its link came up): the sessions here that waited for that send on.
     pub(super) fn told_by(&mut self, key: u64, now: u64) {
         let mut done = Vec::new();
-        for &sid in self.by_client.values() {
-            let Some(recent) = self
-                .sessions
-                .get_mut(sid as usize)
-                .and_then(Option::as_mut)
-                .and_then(|s| s.recent.as_mut())
-            else {
+        let sids: Vec<SessionId> = self.by_client.values().copied().collect();
+        for sid in sids {
+            let Some(recent) = self.session_mut(sid).and_then(|s| s.recent.as_mut()) else {
                 continue;
             };
             if !recent.untold.contains(&key) {

@@ -4784,12 +4784,17 @@ fn what_a_session_got_before_its_client_went_to_a_cut_off_node_is_not_delivered_
     // for node 0 brings "m1" and "m2": not to the session there again. "m3" reached node
     // 1's version after its client left: node 1 does not list it (it went to no client
     // there), and node 0's takes it from node 2's queue.
+    dev_on_node0_gets_m3_only(&[(0, 1), (0, 2)]);
+}
+
+/// `dev_got_m1_m2_on_node1_then_resumed_on_cut_off_node0`, then what node 0's clients get:
+/// the watcher every message, "dev" "m3" only (node 1's version, older, handed over).
+fn dev_on_node0_gets_m3_only(heal: &[(usize, usize)]) {
     let (mut n, _disks, [watcher, on0]) =
-        dev_got_m1_m2_on_node1_then_resumed_on_cut_off_node0(&[(0, 1), (0, 2)]);
+        dev_got_m1_m2_on_node1_then_resumed_on_cut_off_node0(heal);
     let got = n.h[0].recv();
     assert_eq!(payloads(&got[&watcher]), ["m1", "m2", "m3"]);
     assert_eq!(payloads(&got[&on0]), ["m3"]);
-    // Node 1's version, older, handed over to node 0's.
     assert_eq!(n.h[1].e.replica_stats().fenced, 1);
     assert_eq!(n.h[0].e.replica_stats().taken_elsewhere, 2);
 }
@@ -4800,13 +4805,7 @@ fn what_a_session_got_is_not_delivered_again_when_another_nodes_link_comes_back_
     // came back first, and its queue for node 0 reached the session there before node 1
     // could say what its version took. Node 0's version, whose client came back while both
     // were out of reach, holds what node 2 brings until node 1 has said so.
-    let (mut n, _disks, [watcher, on0]) =
-        dev_got_m1_m2_on_node1_then_resumed_on_cut_off_node0(&[(0, 2), (0, 1)]);
-    let got = n.h[0].recv();
-    assert_eq!(payloads(&got[&watcher]), ["m1", "m2", "m3"]);
-    assert_eq!(payloads(&got[&on0]), ["m3"]);
-    assert_eq!(n.h[1].e.replica_stats().fenced, 1);
-    assert_eq!(n.h[0].e.replica_stats().taken_elsewhere, 2);
+    dev_on_node0_gets_m3_only(&[(0, 2), (0, 1)]);
 }
 
 #[test]
