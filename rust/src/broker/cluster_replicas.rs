@@ -318,7 +318,7 @@ impl Engine {
             return;
         }
         self.drop_copies_not_owned();
-        self.wills_map_changed();
+        self.wills_map_changed(now);
         self.registry_map_changed();
         let sids: Vec<SessionId> = self.by_client.values().copied().collect();
         for sid in sids {

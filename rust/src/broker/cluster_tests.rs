@@ -3238,6 +3238,37 @@ fn a_dead_nodes_clean_session_has_its_will_published_once_by_the_first_owner_up(
 }
 
 #[test]
+fn a_new_owner_that_gets_the_will_copy_before_the_new_map_keeps_it() {
+    // Found by the fault-injection run's long schedule (two wills lost): the home got a new
+    // map first and sent its will copy to a new owner, which still had the old map and
+    // refused it. Nobody sent it again, and the new owner was the one to publish it.
+    let (mut n, mut disks) = copying_nodes(4, &[1, 2], 5_000);
+    protocol(&mut n, LATEST);
+    let watch = super::tests::connect("watcher", Protocol::V5, true);
+    let watcher = connect_on(&mut n, 3, watch);
+    n.h[3].subscribe(watcher, "wills/#", QoS::AtLeastOnce);
+    connect_on(&mut n, 0, sensor_connect());
+    settle_and_sync(&mut n, &mut disks);
+    set_map(&mut n, 0, &[3, 2], 2);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[3].e.will_stats().refused, 1);
+    for i in 1..4 {
+        set_map(&mut n, i, &[3, 2], 2);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[3].e.will_stats().held, 1);
+    for j in 1..4 {
+        n.cut_link(0, j);
+    }
+    for i in 1..4 {
+        tick_after(&mut n, i, 6_000);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[3].recv_one(watcher)), ["offline"]);
+    assert_eq!(n.h[3].e.will_stats().published, 1);
+}
+
+#[test]
 fn with_the_first_owner_down_too_the_next_one_publishes_the_will() {
     let (mut n, mut disks, _, watcher) = will_holder_on_node0();
     node0_dies(&mut n);

@@ -27,7 +27,9 @@
 //!
 //! When a link comes up, its node sends the owners the wills of its live connections
 //! again (an owner that lost its disk has none). At a map change the home copies its wills to
-//! the current owners, and owners drop the copies of partitions they lost.
+//! the current owners, and owners drop the copies of partitions they lost. A new owner may
+//! get the home's copy before the new map reaches it: it refuses it then, but keeps it a
+//! while, and takes it in if its next map makes it an owner.
 //!
 //! A home that was only cut off or paused keeps its connections meanwhile: the owner that
 //! published a will tells it so when their link comes up (`WillFired`), and the home closes
@@ -89,6 +91,10 @@ pub(super) struct Wills {
     /// seen down), and then nobody else has its will. Kept, in memory, until that home says
     /// the connection ended (`WillGone`), or is found dead or restarted, as `held`.
     superseded: Vec<(Arc<str>, HeldWill)>,
+    /// Copies refused because this node did not own their partition, for `REFUSED_KEEP_MS`
+    /// (until when): the home may have sent them under a newer map than this node's. Taken
+    /// in if the next map here makes this node an owner (the home sends nothing again).
+    refused: Vec<(Arc<str>, HeldWill, u64)>,
     /// Wills this node published for connections on nodes out of its reach, to tell those
     /// nodes when their links come up (home key, client id, version; one per client id, in
     /// the store too).
@@ -122,6 +128,12 @@ const FIRED_MAX: usize = 1 << 16;
 
 /// Replaced copies kept at most (a flood of reconnects elsewhere while homes look up).
 const SUPERSEDED_MAX: usize = 1 << 16;
+
+/// How long a copy refused for a partition this node does not own is kept in case the
+/// next map makes it an owner (maps reach the nodes within a heartbeat or two), and how
+/// many at most.
+const REFUSED_KEEP_MS: u64 = 10_000;
+const REFUSED_MAX: usize = 1 << 12;
 
 #[derive(Default, Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WillStats {
@@ -322,9 +334,10 @@ impl Engine {
         );
     }
 
-    /// After a map change: copies of partitions this node no longer owns go, and the
-    /// owners get the wills of this node's connections.
-    pub(super) fn wills_map_changed(&mut self) {
+    /// After a map change: copies of partitions this node no longer owns go, those it
+    /// refused lately and owns now come in, and the owners get the wills of this node's
+    /// connections.
+    pub(super) fn wills_map_changed(&mut self, now: u64) {
         let lost: Vec<Arc<str>> = self
             .wills
             .held
@@ -338,6 +351,32 @@ impl Engine {
         let mut superseded = std::mem::take(&mut self.wills.superseded);
         superseded.retain(|(client, _)| self.replicas.is_owner(client));
         self.wills.superseded = superseded;
+        // Copies the home sent under this map before it reached this node.
+        for (client, w, until) in std::mem::take(&mut self.wills.refused) {
+            if until <= now || !self.replicas.is_owner(&client) {
+                continue;
+            }
+            if self
+                .wills
+                .held
+                .get(&client)
+                .is_some_and(|h| h.stamp >= w.stamp)
+            {
+                continue;
+            }
+            if self.cfg.durable {
+                self.wills
+                    .to_store
+                    .push_back((client.clone(), w.stamp, now + STORE_AFTER_MS));
+            }
+            let home = w.home;
+            let old = self.wills.held.insert(client.clone(), w);
+            if let Some(old) = old.filter(|o| o.home != home && o.ended.is_none()) {
+                if self.wills.superseded.len() < SUPERSEDED_MAX {
+                    self.wills.superseded.push((client, old));
+                }
+            }
+        }
         // Homes no longer in the map are dead, and who publishes may have changed.
         self.wills.sweep = true;
         self.send_wills(None);
@@ -428,15 +467,7 @@ impl Engine {
         body: &[u8],
         now: u64,
     ) {
-        if !self.replicas.is_owner(client_id) {
-            self.wills.stats.refused += 1;
-            self.event(
-                "will_copy_refused",
-                Arc::from(client_id),
-                "a will copy for a partition this node does not own".into(),
-            );
-            return;
-        }
+        let owner = self.replicas.is_owner(client_id);
         let will = match records::decode_will(body) {
             Ok(will) => will,
             Err(e) => {
@@ -450,6 +481,30 @@ impl Engine {
             }
         };
         let home = self.cluster.peer_key(peer);
+        if !owner {
+            self.wills.stats.refused += 1;
+            self.event(
+                "will_copy_refused",
+                Arc::from(client_id),
+                "a will copy for a partition this node does not own".into(),
+            );
+            let refused = &mut self.wills.refused;
+            refused.retain(|(c, w, until)| {
+                *until > now && !(&**c == client_id && w.home == home && w.stamp <= stamp)
+            });
+            if refused.len() < REFUSED_MAX {
+                let w = HeldWill {
+                    home,
+                    epoch,
+                    stamp,
+                    will,
+                    ended: None,
+                    stored: false,
+                };
+                refused.push((Arc::from(client_id), w, now + REFUSED_KEEP_MS));
+            }
+            return;
+        }
         match self.wills.held.get(client_id) {
             Some(w) if w.stamp > stamp => return,
             // The connection it was for ended, and its will waits to go: it goes (or is
@@ -501,6 +556,9 @@ impl Engine {
         self.wills
             .superseded
             .retain(|(c, w)| !(&**c == client_id && w.home == home && w.stamp <= stamp));
+        self.wills
+            .refused
+            .retain(|(c, w, _)| !(&**c == client_id && w.home == home && w.stamp <= stamp));
     }
 
     /// A claim for `client_id` (a peer's, or this node's own): if the connection whose will
