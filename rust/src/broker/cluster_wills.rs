@@ -364,18 +364,7 @@ impl Engine {
             {
                 continue;
             }
-            if self.cfg.durable {
-                self.wills
-                    .to_store
-                    .push_back((client.clone(), w.stamp, now + STORE_AFTER_MS));
-            }
-            let home = w.home;
-            let old = self.wills.held.insert(client.clone(), w);
-            if let Some(old) = old.filter(|o| o.home != home && o.ended.is_none()) {
-                if self.wills.superseded.len() < SUPERSEDED_MAX {
-                    self.wills.superseded.push((client, old));
-                }
-            }
+            self.hold_copy(client, w, now);
         }
         // Homes no longer in the map are dead, and who publishes may have changed.
         self.wills.sweep = true;
@@ -512,32 +501,37 @@ impl Engine {
             Some(w) if w.ended.is_some() => self.settle_wills(Some(client_id), true, now),
             _ => {}
         }
-        // A record of an older version is replaced at once; a new copy is written once it
-        // has lived a while.
-        let stored = self.wills.held.get(client_id).is_some_and(|w| w.stored);
-        if stored {
-            self.store_will_copy(client_id, home, epoch, stamp, body);
+        let w = HeldWill {
+            home,
+            epoch,
+            stamp,
+            will,
+            ended: None,
+            stored: false,
+        };
+        self.hold_copy(Arc::from(client_id), w, now);
+    }
+
+    /// Holds copy `w` of `client`'s will. A record of an older version is replaced at
+    /// once; a new copy is written once it has lived a while. A copy from another home it
+    /// replaces is kept as superseded.
+    fn hold_copy(&mut self, client: Arc<str>, mut w: HeldWill, now: u64) {
+        w.stored = self.wills.held.get(&client).is_some_and(|h| h.stored);
+        if w.stored {
+            let body = records::encode_will(&w.will);
+            self.store_will_copy(&client, w.home, w.epoch, w.stamp, &body);
         } else if self.cfg.durable {
             let due = now + STORE_AFTER_MS;
             self.wills
                 .to_store
-                .push_back((Arc::from(client_id), stamp, due));
+                .push_back((client.clone(), w.stamp, due));
         }
-        let old = self.wills.held.insert(
-            Arc::from(client_id),
-            HeldWill {
-                home,
-                epoch,
-                stamp,
-                will,
-                ended: None,
-                stored,
-            },
-        );
+        let home = w.home;
+        let old = self.wills.held.insert(client.clone(), w);
         // (From the same home, its end was said first: `WillGone` comes before the copy.)
         if let Some(old) = old.filter(|o| o.home != home && o.ended.is_none()) {
             if self.wills.superseded.len() < SUPERSEDED_MAX {
-                self.wills.superseded.push((Arc::from(client_id), old));
+                self.wills.superseded.push((client, old));
             }
         }
     }
