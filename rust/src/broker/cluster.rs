@@ -703,6 +703,13 @@ impl Cluster {
             .collect()
     }
 
+    /// Whether every peer is in touch: its link up, heard from since it came up, and
+    /// acknowledging what this node sends (`Peer::lagging`).
+    pub(super) fn all_in_touch(&self, now: u64) -> bool {
+        let mut peers = self.peers.iter().flatten();
+        peers.all(|p| p.up && p.heard && !p.lagging(now))
+    }
+
     /// Whether the node with key `key` has been heard from since its link came up (what it
     /// took is known), or is no longer a peer.
     pub(super) fn heard_or_gone(&self, key: u64) -> bool {
@@ -1836,6 +1843,8 @@ impl Engine {
                         peer.rows_version = version;
                         c.set_rows(id, &filters);
                     }
+                    // Sent after what the link held for this node: that is all in now.
+                    self.relay_caught_up(id);
                 }
                 Item::RouteAdd { version, filter } | Item::RouteRemove { version, filter } => {
                     let add = matches!(item, Item::RouteAdd { .. });

@@ -187,6 +187,9 @@ impl Engine {
         let Some(recent) = self.session_mut(sid).and_then(|s| s.recent.as_mut()) else {
             return;
         };
+        if recent.relay_home == key {
+            recent.relay_home_ended = true;
+        }
         let before = recent.kept_waits.len();
         recent.kept_waits.retain(|&(k, _)| k != key);
         if before > 0 && recent.kept_waits.is_empty() {
@@ -649,12 +652,18 @@ impl Engine {
             if !recent.untold.contains(&key) {
                 continue;
             }
-            let others: Vec<u64> = recent
+            let mut others: Vec<u64> = recent
                 .untold
                 .iter()
                 .copied()
                 .filter(|&k| k != key && !self.cluster.heard_or_gone(k))
                 .collect();
+            // What `peer` sent the live home this session came from before it learned where
+            // the session went reaches that home now, and is relayed here: first.
+            let home = recent.relay_home;
+            if home != 0 && home != key && !recent.relay_home_ended {
+                others.push(home);
+            }
             if !others.is_empty() {
                 waits.push((sid, others));
             }

@@ -28,7 +28,10 @@
 //!   different moments. The old home keeps the session's subscriptions and sends what
 //!   still matches them to the new home (`SessionMessage`) until the new home says every
 //!   peer acknowledged its rows for the session (`RelayEnd`, protocol 8; then `RELAY_MS`
-//!   more, and `RELAY_MAX_MS` at most; the session remembers ids meanwhile), except a message that
+//!   more, and `RELAY_MAX_MS` at most; the session remembers ids meanwhile; not while a
+//!   peer is out of touch, nor before each peer that lagged at the hand-over sent its rows
+//!   again, its late batches first: then `KeptEnd` tells the new home, which holds what such
+//!   a peer sends it directly until then), except a message that
 //!   the new home routed after it installed the session (its `Installed` marker comes first
 //!   on the link), or one it sent there itself after the hand-over (same link). A message
 //!   relayed to a node the session left again goes on along that node's relay.
@@ -54,7 +57,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::cluster::PeerId;
-use super::cluster_kept::{KEPT_MAX, TAKEN_IDS_PROTOCOL};
+use super::cluster_kept::{KEPT_END_PROTOCOL, KEPT_MAX, TAKEN_IDS_PROTOCOL};
 use super::cluster_replicas::THIS_NODE;
 use super::connect::PendingConnect;
 use super::router::Scope;
@@ -131,6 +134,18 @@ struct RelayRelease {
     until: u64,
 }
 
+/// A relay of a session handed over from here (`Claims::relays`).
+struct Relay {
+    /// The session's new home.
+    to: PeerId,
+    /// When the relay ends, and the latest that may be pushed to (`claims_tick`).
+    until: u64,
+    cap: u64,
+    /// The peers (keys) that lagged at the hand-over and have not sent their rows since:
+    /// batches they sent here before they heard where the session went may still come.
+    lagging: Vec<u64>,
+}
+
 /// An answer to a claim read from an owner's copy.
 struct CopyAnswer {
     /// The home's moment the copy was current as of.
@@ -147,9 +162,8 @@ pub(super) struct Claims {
     pending: HashMap<Arc<str>, Claim>,
     /// Newer claims of peers for a client id this node claims too, served once ours is done.
     deferred: Vec<(PeerId, Arc<str>, Stamp, bool)>,
-    /// Sessions handed over a moment ago: the peer they went to, and until when their
-    /// subscriptions here relay to it.
-    relays: HashMap<SessionId, (PeerId, u64)>,
+    /// Sessions handed over a moment ago, whose subscriptions here relay to their new home.
+    relays: HashMap<SessionId, Relay>,
     /// Sessions a live home handed to this node: until every peer holds this node's route
     /// rows as of `rows`, that home relays for them (and they remember message ids).
     releases: Vec<RelayRelease>,
@@ -612,6 +626,13 @@ impl Engine {
         }
         self.cluster
             .queue_claim_answer(peer, client_id, stamp, &records, None, &[]);
+        let relay = sid.and_then(|sid| self.claims.relays.get(&sid));
+        if relay.is_some_and(|r| r.lagging.is_empty())
+            && self.cluster.peer_protocol(peer) >= KEPT_END_PROTOCOL
+        {
+            // No peer lagged: nothing it sent here late is to be waited for there.
+            self.cluster.queue_kept_end(peer, client_id);
+        }
         if let Some((home, marks, ids)) = kept {
             self.cluster
                 .queue_kept_state(peer, client_id, home, &marks, ids.into_iter());
@@ -706,6 +727,13 @@ impl Engine {
             // Its live home handed it over and relays for it until every node has our rows
             // for it (installed above).
             self.claims.releases.retain(|r| &*r.client_id != client_id);
+            let home = self.cluster.peer_key(peer);
+            let session = self.by_client.get(client_id).copied();
+            if let Some(s) = session.and_then(|sid| self.session_mut(sid)) {
+                let recent = s.recent.get_or_insert_with(Default::default);
+                recent.relay_home = home;
+                recent.relay_home_ended = false;
+            }
             self.claims.releases.push(RelayRelease {
                 client_id: Arc::from(client_id),
                 home: peer,
@@ -1074,11 +1102,21 @@ impl Engine {
             self.release_relays(now);
         }
         if !self.claims.relays.is_empty() {
+            // A peer out of reach, or not yet heard from since its link came back, may hold
+            // batches sent here before it learned where the sessions went (a split that
+            // began as it published): its link sends them again when it comes back, and
+            // they must still find the relay. So relays end `RELAY_MS` after every peer is
+            // in touch again (`RELAY_MAX_MS` after the hand-over at most).
+            if !self.cluster.all_in_touch(now) {
+                for relay in self.claims.relays.values_mut() {
+                    relay.until = relay.until.max(now + RELAY_MS).min(relay.cap);
+                }
+            }
             let done: Vec<SessionId> = self
                 .claims
                 .relays
                 .iter()
-                .filter(|(_, &(_, until))| now >= until)
+                .filter(|(_, r)| now >= r.until && (r.lagging.is_empty() || now >= r.cap))
                 .map(|(&sid, _)| sid)
                 .collect();
             for sid in done {
@@ -1157,10 +1195,10 @@ impl Engine {
 
     /// Where this node relays `client_id`'s messages to, if anywhere.
     pub(super) fn relay_of(&self, client_id: &str) -> Option<PeerId> {
-        self.claims.relays.iter().find_map(|(&sid, &(peer, _))| {
+        self.claims.relays.iter().find_map(|(&sid, r)| {
             self.session(sid)
                 .is_some_and(|s| &*s.client_id == client_id)
-                .then_some(peer)
+                .then_some(r.to)
         })
     }
 
@@ -1202,7 +1240,25 @@ impl Engine {
         } else {
             RELAY_MS
         };
-        self.claims.relays.insert(sid, (peer, now + relay));
+        // Peers that lag may have sent this session's messages here before they learn
+        // where it went: the new home holds what they send it directly until this node
+        // says it took theirs in (`relay_caught_up`), so that they go to the client first.
+        let to = self.cluster.peer_key(peer);
+        let lagging: Vec<u64> = self
+            .cluster
+            .lagging_keys(KEPT_END_PROTOCOL, now)
+            .into_iter()
+            .filter(|&k| k != to)
+            .collect();
+        self.claims.relays.insert(
+            sid,
+            Relay {
+                to: peer,
+                until: now + relay,
+                cap: now + RELAY_MAX_MS,
+                lagging,
+            },
+        );
     }
 
     /// Whether session `client_id` came here from `peer` (handed over by it while it lived
@@ -1218,8 +1274,8 @@ impl Engine {
     /// rows for it: the relay ends after what was sent before them had time to arrive.
     pub(super) fn relay_end_received(&mut self, peer: PeerId, client_id: &str, now: u64) {
         let end = now + RELAY_MS;
-        let Some(sid) = self.claims.relays.iter().find_map(|(&sid, &(to, _))| {
-            (to == peer
+        let Some(sid) = self.claims.relays.iter().find_map(|(&sid, r)| {
+            (r.to == peer
                 && self
                     .session(sid)
                     .is_some_and(|s| &*s.client_id == client_id))
@@ -1228,7 +1284,33 @@ impl Engine {
             return;
         };
         if let Some(relay) = self.claims.relays.get_mut(&sid) {
-            relay.1 = relay.1.min(end);
+            relay.until = relay.until.min(end);
+        }
+    }
+
+    /// Peer `peer` sent its rows (after what its link held for this node): the relays that
+    /// waited for it have relayed all it sent here before it learned where their sessions
+    /// went, and the last of them to wait tells its new home so (`KeptEnd`).
+    pub(super) fn relay_caught_up(&mut self, peer: PeerId) {
+        if self.claims.relays.is_empty() {
+            return;
+        }
+        let key = self.cluster.peer_key(peer);
+        let mut done = Vec::new();
+        for (&sid, r) in self.claims.relays.iter_mut() {
+            let before = r.lagging.len();
+            r.lagging.retain(|&k| k != key);
+            if before > 0 && r.lagging.is_empty() {
+                done.push((sid, r.to));
+            }
+        }
+        for (sid, to) in done {
+            let Some(client) = self.session(sid).map(|s| s.client_id.clone()) else {
+                continue;
+            };
+            if self.cluster.peer_protocol(to) >= KEPT_END_PROTOCOL {
+                self.cluster.queue_kept_end(to, &client);
+            }
         }
     }
 
@@ -1282,7 +1364,7 @@ impl Engine {
         scope: Scope<'_>,
         now: u64,
     ) -> bool {
-        let Some(&(peer, _)) = self.claims.relays.get(&sid) else {
+        let Some(peer) = self.claims.relays.get(&sid).map(|r| r.to) else {
             return false;
         };
         let Some(session) = self.session(sid) else {

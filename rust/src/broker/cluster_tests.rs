@@ -4688,6 +4688,103 @@ fn cut_off_with_dev_watch_pub_on(on: [usize; 3]) -> (Nodes, Vec<Disk>, [crate::b
     (n, disks, [dev, watcher, publisher])
 }
 
+#[test]
+fn a_message_on_the_link_to_the_old_home_as_a_split_began_reaches_the_session_once_it_heals() {
+    // Found by the fault-injection run's long splits (an acknowledged message lost): node 0
+    // published "m1" as a split began, and its batch to node 1, "dev"'s home, was lost on
+    // the way. "dev" moved to node 2, where "watch" holds the same filter (node 0 had the
+    // row already, so node 1 heard at once that its relay could end), and node 1's relay
+    // ended before node 0's link came back and sent the batch again: to no session.
+    let (mut n, mut disks) = copying_nodes(3, &[1, 2], 0);
+    let dev = connect_on(&mut n, 1, persistent_v5("dev"));
+    n.h[1].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    let watcher = connect_on(
+        &mut n,
+        2,
+        super::tests::connect("watch", Protocol::V5, true),
+    );
+    n.h[2].subscribe(watcher, "cmd/#", QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 0, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    for h in &mut n.h {
+        h.recv();
+    }
+    // Node 0's frames to node 1 are lost: "m1", and its acknowledgements of what node 1
+    // sends (a row of "dev"), so node 0 lags as node 1 sees it.
+    n.mute = vec![(0, 1)];
+    n.h[0].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    n.h[1].subscribe(dev, "status/dev", QoS::AtLeastOnce);
+    settle_and_sync(&mut n, &mut disks);
+    tick_after(&mut n, 1, 200);
+    let on2 = reconnect_elsewhere(&mut n, &mut disks, (1, dev), 2, "dev");
+    assert_resumed(&mut n, 2, on2, &[]);
+    // Node 2 tells node 1 that every node has its rows (node 0 acknowledges node 2's).
+    tick_after(&mut n, 2, 100);
+    settle_and_sync(&mut n, &mut disks);
+    // The split is found (the failure timeout), and lasts past the relay's time.
+    n.mute.clear();
+    n.cut_link(0, 1);
+    for i in 0..3 {
+        tick_after(&mut n, i, 20_000);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    n.heal_link(0, 1);
+    settle_and_sync(&mut n, &mut disks);
+    n.h[0].publish(publisher, "cmd/dev", "m2", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[2].recv();
+    assert_eq!(payloads(&got[&on2]), ["m1", "m2"]);
+    // In touch again: the relay ends.
+    for _ in 0..4 {
+        for i in 0..3 {
+            tick_after(&mut n, i, 2_000);
+        }
+        settle_and_sync(&mut n, &mut disks);
+    }
+    assert!(n.h[1].e.relay_of("dev").is_none());
+}
+
+#[test]
+fn a_message_on_the_link_to_the_old_home_as_a_split_began_goes_to_the_session_before_newer_ones() {
+    // Found by the fault-injection run's long splits (27 reorders): as above, but node 0's
+    // link to node 2 comes back first, and node 0 sends "m2" there straight away, while
+    // "m1" reaches node 1 only when that link is back too, and is relayed. Node 2 holds
+    // node 0's messages until node 1 says it has taken in what node 0's link held for it.
+    let (mut n, mut disks) = copying_nodes(3, &[1, 2], 0);
+    let dev = connect_on(&mut n, 1, persistent_v5("dev"));
+    n.h[1].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    let watcher = connect_on(
+        &mut n,
+        0,
+        super::tests::connect("watch", Protocol::V5, true),
+    );
+    n.h[0].subscribe(watcher, "cmd/#", QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 0, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    for h in &mut n.h {
+        h.recv();
+    }
+    n.mute = vec![(0, 1), (0, 2)];
+    n.h[0].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    n.mute.clear();
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    let on2 = reconnect_elsewhere(&mut n, &mut disks, (1, dev), 2, "dev");
+    assert_resumed(&mut n, 2, on2, &[]);
+    for i in 0..3 {
+        tick_after(&mut n, i, 8_000);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    n.heal_link(0, 2);
+    n.h[0].publish(publisher, "cmd/dev", "m2", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    n.heal_link(0, 1);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[2].recv();
+    assert_eq!(payloads(&got[&on2]), ["m1", "m2"]);
+}
+
 /// Node 0 is cut off with "pub"'s messages "k1" and "k2" kept for node 1 ("dev"'s home as
 /// node 0 knows it) and for node 2 ("watch" there). "dev"'s client moves to node 2 (node 1
 /// hands the session over and relays for it), then to node 0, which resumes it from its
