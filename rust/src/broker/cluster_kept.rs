@@ -58,6 +58,9 @@ const KEPT_WAIT_MS: u64 = 2_000;
 pub(super) const KEPT_MAX: usize = 1 << 20;
 /// The first that tells a peer what a session's version took (`TakenIds`).
 pub(super) const TAKEN_IDS_PROTOCOL: u16 = 13;
+/// The first whose relays tell the new home that what lagging peers sent them is in
+/// (`KeptEnd`, broker::cluster_sessions).
+pub(super) const RELAY_CAUGHT_UP_PROTOCOL: u16 = 13;
 /// Ids told (and remembered) per session at most.
 const TAKEN_IDS_MAX: usize = 1 << 16;
 
@@ -661,7 +664,11 @@ impl Engine {
             // What `peer` sent the live home this session came from before it learned where
             // the session went reaches that home now, and is relayed here: first.
             let home = recent.relay_home;
-            if home != 0 && home != key && !recent.relay_home_ended {
+            let says = self
+                .cluster
+                .peer_by_key(home)
+                .is_some_and(|p| self.cluster.peer_protocol(p) >= RELAY_CAUGHT_UP_PROTOCOL);
+            if home != 0 && home != key && !recent.relay_home_ended && says {
                 others.push(home);
             }
             if !others.is_empty() {

@@ -57,7 +57,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::cluster::PeerId;
-use super::cluster_kept::{KEPT_END_PROTOCOL, KEPT_MAX, TAKEN_IDS_PROTOCOL};
+use super::cluster_kept::{KEPT_MAX, RELAY_CAUGHT_UP_PROTOCOL, TAKEN_IDS_PROTOCOL};
 use super::cluster_replicas::THIS_NODE;
 use super::connect::PendingConnect;
 use super::router::Scope;
@@ -628,7 +628,7 @@ impl Engine {
             .queue_claim_answer(peer, client_id, stamp, &records, None, &[]);
         let relay = sid.and_then(|sid| self.claims.relays.get(&sid));
         if relay.is_some_and(|r| r.lagging.is_empty())
-            && self.cluster.peer_protocol(peer) >= KEPT_END_PROTOCOL
+            && self.cluster.peer_protocol(peer) >= RELAY_CAUGHT_UP_PROTOCOL
         {
             // No peer lagged: nothing it sent here late is to be waited for there.
             self.cluster.queue_kept_end(peer, client_id);
@@ -1246,7 +1246,7 @@ impl Engine {
         let to = self.cluster.peer_key(peer);
         let lagging: Vec<u64> = self
             .cluster
-            .lagging_keys(KEPT_END_PROTOCOL, now)
+            .lagging_keys(0, now)
             .into_iter()
             .filter(|&k| k != to)
             .collect();
@@ -1308,7 +1308,7 @@ impl Engine {
             let Some(client) = self.session(sid).map(|s| s.client_id.clone()) else {
                 continue;
             };
-            if self.cluster.peer_protocol(to) >= KEPT_END_PROTOCOL {
+            if self.cluster.peer_protocol(to) >= RELAY_CAUGHT_UP_PROTOCOL {
                 self.cluster.queue_kept_end(to, &client);
             }
         }
