@@ -4671,7 +4671,19 @@ fn relink_node0(n: &mut Nodes) {
 /// (a clean session on `cmd/#`) and "pub" connected to the nodes `on` names, in that order,
 /// then node 0 cut off from the others. Their connections.
 fn cut_off_with_dev_watch_pub_on(on: [usize; 3]) -> (Nodes, Vec<Disk>, [crate::broker::ConnId; 3]) {
-    let (mut n, mut disks) = copying_nodes(3, &[1, 0], 0);
+    let (mut n, disks, conns) = dev_watch_pub_on(&[1, 0], on);
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    (n, disks, conns)
+}
+
+/// "dev" (persistent, QoS 1 on `cmd/#`), "watch" (the same filter) and "pub" connected to
+/// the nodes `on` of three, whose partition `owners` are given; everything settled.
+fn dev_watch_pub_on(
+    owners: &[usize],
+    on: [usize; 3],
+) -> (Nodes, Vec<Disk>, [crate::broker::ConnId; 3]) {
+    let (mut n, mut disks) = copying_nodes(3, owners, 0);
     let dev = connect_on(&mut n, on[0], persistent_v5("dev"));
     n.h[on[0]].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
     let watch = super::tests::connect("watch", Protocol::V5, true);
@@ -4683,8 +4695,6 @@ fn cut_off_with_dev_watch_pub_on(on: [usize; 3]) -> (Nodes, Vec<Disk>, [crate::b
     for h in &mut n.h {
         h.recv();
     }
-    n.cut_link(0, 1);
-    n.cut_link(0, 2);
     (n, disks, [dev, watcher, publisher])
 }
 
@@ -4695,20 +4705,7 @@ fn a_message_on_the_link_to_the_old_home_as_a_split_began_reaches_the_session_on
     // the way. "dev" moved to node 2, where "watch" holds the same filter (node 0 had the
     // row already, so node 1 heard at once that its relay could end), and node 1's relay
     // ended before node 0's link came back and sent the batch again: to no session.
-    let (mut n, mut disks) = copying_nodes(3, &[1, 2], 0);
-    let dev = connect_on(&mut n, 1, persistent_v5("dev"));
-    n.h[1].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
-    let watcher = connect_on(
-        &mut n,
-        2,
-        super::tests::connect("watch", Protocol::V5, true),
-    );
-    n.h[2].subscribe(watcher, "cmd/#", QoS::AtLeastOnce);
-    let publisher = connect_on(&mut n, 0, super::tests::connect("pub", Protocol::V5, true));
-    settle_and_sync(&mut n, &mut disks);
-    for h in &mut n.h {
-        h.recv();
-    }
+    let (mut n, mut disks, [dev, _, publisher]) = dev_watch_pub_on(&[1, 2], [1, 2, 0]);
     // Node 0's frames to node 1 are lost: "m1", and its acknowledgements of what node 1
     // sends (a row of "dev"), so node 0 lags as node 1 sees it.
     n.mute = vec![(0, 1)];
@@ -4771,22 +4768,9 @@ fn an_old_home_of_protocol_12_is_not_waited_for_and_its_late_message_comes_after
 /// node 0's link to node 1 sends "m1" again, relayed to node 2. What "dev" gets there, with
 /// node 1 speaking `old_home_protocol` to node 2.
 fn dev_after_a_message_lost_on_the_way_to_its_old_home(old_home_protocol: u16) -> Vec<String> {
-    let (mut n, mut disks) = copying_nodes(3, &[1, 2], 0);
+    let (mut n, mut disks, [dev, _, publisher]) = dev_watch_pub_on(&[1, 2], [1, 0, 0]);
     let p = n.peer[2][1];
     n.h[2].e.cluster_set_protocol(p, old_home_protocol);
-    let dev = connect_on(&mut n, 1, persistent_v5("dev"));
-    n.h[1].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
-    let watcher = connect_on(
-        &mut n,
-        0,
-        super::tests::connect("watch", Protocol::V5, true),
-    );
-    n.h[0].subscribe(watcher, "cmd/#", QoS::AtLeastOnce);
-    let publisher = connect_on(&mut n, 0, super::tests::connect("pub", Protocol::V5, true));
-    settle_and_sync(&mut n, &mut disks);
-    for h in &mut n.h {
-        h.recv();
-    }
     n.mute = vec![(0, 1), (0, 2)];
     n.h[0].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
     settle_and_sync(&mut n, &mut disks);
