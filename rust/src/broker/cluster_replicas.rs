@@ -137,6 +137,8 @@ const WATCH_MS: u64 = 2_000;
 /// older one up to send on its own messages: well within the 30 s the newer home remembers
 /// the ids it took (`cluster_sessions::RECENT_MS`), for clocks a little apart.
 const OWN_RELAY_MS: u64 = 20_000;
+/// How many clients a refused copy is logged for per map version (`copy_refused`).
+const REFUSED_LOGGED_MAX: usize = 32;
 
 /// How long a QoS 2 delivery listed to peers that did not lag (`Listing::Qos2`) is
 /// remembered, in case one of them turns out to have been cut off as it went: well past
@@ -219,9 +221,10 @@ pub(super) struct Replicas {
     /// By home (its key): how far it applied each node's batches, as it told this node
     /// with the copies (in memory; none after a restart).
     marks: HashMap<u64, Vec<Mark>>,
-    /// The client and map version `copy_refused` was last logged for: once for a burst of
-    /// one session's operations (a rebalance sends dozens at once).
-    refused_logged: Option<(Arc<str>, u64)>,
+    /// The map version `copy_refused` was last logged for, and the clients it was logged
+    /// for: once per client and version (a rebalance sends dozens of operations for each
+    /// session, those of many sessions interleaved), for `REFUSED_LOGGED_MAX` at most.
+    refused_logged: (u64, HashSet<Arc<str>>),
     /// Recent QoS 2 deliveries listed to peers that did not lag: (when, session, client
     /// id, its store number). Should a peer turn out to lag, their sessions count as
     /// taken from there on (`promote_listed`).
@@ -519,11 +522,13 @@ impl Engine {
             if map == self.replicas.map_version() {
                 return;
             }
-            let logged = Some((client.clone(), map));
-            if self.replicas.refused_logged == logged {
+            let logged = &mut self.replicas.refused_logged;
+            if logged.0 != map {
+                *logged = (map, HashSet::new());
+            }
+            if logged.1.len() >= REFUSED_LOGGED_MAX || !logged.1.insert(client.clone()) {
                 return;
             }
-            self.replicas.refused_logged = logged;
             self.event(
                 "copy_refused",
                 client,

@@ -4102,6 +4102,38 @@ fn a_client_id_nobody_holds_is_claimed_from_nobody() {
 }
 
 #[test]
+fn copies_refused_under_an_older_map_are_logged_once_per_client() {
+    // Seen in the fault-injection run's logs: hundreds of `copy_refused` lines within a
+    // millisecond, the operations of several sessions interleaved in the batches of a
+    // home that had not the new map yet.
+    let (mut n, _disks) = copying_nodes(2, &[0], 0);
+    set_map(&mut n, 1, &[0], 3);
+    n.h[1].e.take_events();
+    let from = n.peer[1][0];
+    let now = n.h[1].now;
+    let (a, b) = (records::session_key("a"), records::session_key("b"));
+    for _ in 0..3 {
+        for key in [&a, &b] {
+            let op = super::cluster_replicas::CopyOp {
+                map: 2,
+                stamp: Stamp::default(),
+                key,
+                value: None,
+                at: 0,
+            };
+            n.h[1].e.copy_received(from, op, now);
+        }
+    }
+    let events = n.h[1].e.take_events();
+    let refused: Vec<&str> = events
+        .iter()
+        .filter(|e| e.0 == "copy_refused")
+        .map(|e| &*e.1)
+        .collect();
+    assert_eq!(refused, ["a", "b"], "{events:?}");
+}
+
+#[test]
 fn a_session_taken_over_on_a_node_cut_off_from_its_live_home_gets_what_that_home_queued() {
     // Found by the fault-injection run's splits: node 1 (an owner, holding the copy) is cut
     // off from the others while the live home (node 0) queues what node 2 publishes. The
