@@ -191,7 +191,7 @@ impl Engine {
             return;
         };
         if recent.relay_home == key {
-            recent.relay_home_ended = true;
+            recent.relay_home = 0;
         }
         let before = recent.kept_waits.len();
         recent.kept_waits.retain(|&(k, _)| k != key);
@@ -668,7 +668,7 @@ impl Engine {
                 .cluster
                 .peer_by_key(home)
                 .is_some_and(|p| self.cluster.peer_protocol(p) >= RELAY_CAUGHT_UP_PROTOCOL);
-            if home != 0 && home != key && !recent.relay_home_ended && says {
+            if home != 0 && home != key && says {
                 others.push(home);
             }
             if !others.is_empty() {

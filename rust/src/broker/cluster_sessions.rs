@@ -732,7 +732,6 @@ impl Engine {
             if let Some(s) = session.and_then(|sid| self.session_mut(sid)) {
                 let recent = s.recent.get_or_insert_with(Default::default);
                 recent.relay_home = home;
-                recent.relay_home_ended = false;
             }
             self.claims.releases.push(RelayRelease {
                 client_id: Arc::from(client_id),

@@ -303,12 +303,11 @@ pub struct RecentIds {
     /// up. Until it has, what other nodes send once theirs are up waits (at most
     /// `KEPT_WAIT_MS`, broker::cluster_kept).
     pub untold: Vec<u64>,
-    /// The live home it came from (its key; 0: none), which relays for it, and whether
-    /// that home said it took in what the peers that lagged at the hand-over had sent it
-    /// (`KeptEnd`): a batch on its way there as a split began reaches it only once the
-    /// split heals, and is relayed here then (broker::cluster_sessions).
+    /// The live home it came from (its key), which relays for it, until that home says it
+    /// took in what the peers that lagged at the hand-over had sent it (`KeptEnd`; 0 then,
+    /// or none): a batch on its way there as a split began reaches it only once the split
+    /// heals, and is relayed here then (broker::cluster_sessions).
     pub relay_home: u64,
-    pub relay_home_ended: bool,
 }
 
 impl Session {
