@@ -183,6 +183,10 @@ class Engine:
     def cluster_link(self, peer: int, up: bool) -> None:
         """The link to ``peer`` came up or went down. Up: unacknowledged batches are sent
         again, then a snapshot of this node's route rows."""
+    def cluster_link_lost(self, peer: int, silent_ms: int) -> None:
+        """The link to ``peer`` went down after nothing came on it for ``silent_ms``: as
+        ``cluster_link(peer, False)``; back after a silence of half the failure timeout, the
+        sessions here that ``peer`` may have taken over wait for its word."""
     def cluster_withdraw(self) -> None:
         """This node leaves the cluster: its route rows are withdrawn from every peer."""
     def cluster_set_writable(self, peer: int, writable: bool) -> None:

@@ -340,6 +340,10 @@ impl PyEngine {
         self.inner.cluster_link(peer, up)
     }
 
+    fn cluster_link_lost(&mut self, peer: u16, silent_ms: u64) {
+        self.inner.cluster_link_lost(peer, silent_ms)
+    }
+
     fn cluster_withdraw(&mut self) {
         self.inner.cluster_withdraw()
     }

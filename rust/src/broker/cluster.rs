@@ -155,6 +155,9 @@ struct Peer {
     seen_up: bool,
     /// Since when its link is down (ms; meaningless while up).
     down_since: u64,
+    /// Since when nothing had come from it when its link last went down (ms; 0: not down
+    /// in this run): a split is found by a silence (`cluster_link_lost`).
+    silent_since: u64,
     /// A batch with items has come on its link since it came up: the first one holds what
     /// the peer's sessions took while the two were out of touch (`TakenIds`), if anything.
     heard: bool,
@@ -212,6 +215,7 @@ impl Peer {
             protocol: 2,
             seen_up: false,
             down_since: 0,
+            silent_since: 0,
             heard: false,
             rows: HashSet::new(),
             rows_epoch: 0,
@@ -1341,14 +1345,35 @@ impl Engine {
         self.release_acks();
     }
 
+    /// The link to `id` went down after nothing had come on it for `silent_ms` (the link
+    /// layer closes a link found silent for the failure timeout): as `cluster_link`, and
+    /// the peer counts as out of touch since then (`cut_off_sessions`).
+    pub fn cluster_link_lost(&mut self, id: PeerId, silent_ms: u64) {
+        let was_up = self.cluster.peer_up(id);
+        self.cluster_link(id, false);
+        if let Some(peer) = self.cluster.peer_mut(id).filter(|_| was_up) {
+            peer.silent_since = self.last_now.saturating_sub(silent_ms);
+        }
+    }
+
     /// The link to `id` came up (`up`) or went down. Up: batches not acknowledged are sent
     /// again, then a snapshot of our rows and our retained set.
     pub fn cluster_link(&mut self, id: PeerId, up: bool) {
         let now = self.last_now;
+        // Half the failure timeout: the two ends of a link find a silence at moments apart.
+        let takeover_after = self.cfg.cluster_takeover_ms / 2;
         let c = &mut self.cluster;
         let Some(peer) = c.peer_mut(id) else { return };
+        // Back after a silence long enough that the peer may have taken this node's
+        // sessions over meanwhile (a split: each side took the other for dead).
+        let cut_off = up
+            && !peer.up
+            && peer.silent_since != 0
+            && takeover_after > 0
+            && now.saturating_sub(peer.silent_since) >= takeover_after;
         if peer.up && !up {
             peer.down_since = now;
+            peer.silent_since = now;
         }
         if !up {
             peer.rows_queued = 0;
@@ -1377,6 +1402,10 @@ impl Engine {
             // Before the retained set, whose end tells the peer that it is in touch again:
             // which of its sessions live on elsewhere now and which of its wills went out
             // meanwhile (it publishes the wills it kept only then).
+            if cut_off {
+                // Their versions wait for the peer's answer to the checks below.
+                self.cut_off_sessions(id, now);
+            }
             self.queue_copy_checks(id);
             self.ask_kept_on_link_up(id, now);
             self.wills_link_up(id);

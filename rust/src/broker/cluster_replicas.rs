@@ -114,6 +114,10 @@ struct Unconfirmed {
     /// this run: the session goes to it once the link is up (its protocol is known then,
     /// so what is sent on carries the message ids it needs to take each once).
     give_up_to: Option<(PeerId, Stamp)>,
+    /// Not restored: this node was cut off from an owner for long enough that the owner's
+    /// side may have made a newer version (`cut_off_sessions`). Its client's CONNECTs are
+    /// refused meanwhile: the version here would hand it what the newer one delivered.
+    cut_off: bool,
 }
 
 /// A claim for a client whose copy this node holds while its home is still up here: its
@@ -995,8 +999,73 @@ impl Engine {
                 held: Vec::new(),
                 until,
                 give_up_to: None,
+                cut_off: false,
             },
         );
+    }
+
+    /// The link to `peer`, an owner of some sessions' partitions here, is back after a
+    /// silence long enough for its side to have taken them over (a split): as restored
+    /// ones, they hold what is delivered to them until it answers their checks
+    /// (`queue_copy_checks`, sent next): nothing newer (confirmed), or where the newer
+    /// version lives (`give_up`); the takeover time at most.
+    pub(super) fn cut_off_sessions(&mut self, peer: PeerId, now: u64) {
+        if self.cluster.peer_protocol(peer) < 4 || self.cfg.cluster_takeover_ms == 0 {
+            // It would not answer.
+            return;
+        }
+        let until = now + self.cfg.cluster_takeover_ms;
+        let Some(map) = self.replicas.map.as_ref() else {
+            return;
+        };
+        let sessions: Vec<(SessionId, Vec<PeerId>)> = self
+            .checked_sessions(peer)
+            .into_iter()
+            .map(|(client, sid, _)| (sid, map.owners(&client).to_vec()))
+            .collect();
+        if sessions.is_empty() {
+            return;
+        }
+        let count = sessions.len();
+        for (sid, owners) in sessions {
+            let u = self
+                .replicas
+                .unconfirmed
+                .entry(sid)
+                .or_insert_with(|| Unconfirmed {
+                    // Only the peer back in touch is asked.
+                    answered: owners.iter().copied().filter(|&p| p != peer).collect(),
+                    held: Vec::new(),
+                    until,
+                    give_up_to: None,
+                    cut_off: true,
+                });
+            u.answered.retain(|&p| p != peer);
+            u.until = u.until.max(until);
+            u.cut_off = true;
+        }
+        let name = self
+            .cluster
+            .peer_name(peer)
+            .unwrap_or_else(|| Arc::from("?"));
+        self.event(
+            "cut_off_sessions",
+            Arc::from(""),
+            format!(
+                "back in touch with {name} after a silence: {count} sessions it may have \
+                 taken over wait for its word"
+            ),
+        );
+    }
+
+    /// Whether `sid` waits for an owner this node was cut off from (`cut_off_sessions`).
+    pub(super) fn cut_off_unconfirmed(&self, sid: SessionId) -> bool {
+        !self.replicas.unconfirmed.is_empty()
+            && self
+                .replicas
+                .unconfirmed
+                .get(&sid)
+                .is_some_and(|u| u.cut_off)
     }
 
     /// Whether deliveries to `sid` wait for its confirmation.
@@ -1061,7 +1130,7 @@ impl Engine {
     }
 
     /// `sid` is the newest version of its session: what waited for it is delivered.
-    fn confirm(&mut self, sid: SessionId, now: u64) {
+    pub(super) fn confirm(&mut self, sid: SessionId, now: u64) {
         let Some(u) = self.replicas.unconfirmed.remove(&sid) else {
             return;
         };
@@ -1108,15 +1177,11 @@ impl Engine {
         let Some(map) = self.replicas.map.as_ref() else {
             return;
         };
-        let mut checks = Vec::new();
-        for (client, &sid) in &self.by_client {
-            let Some(stamp) = self.session(sid).filter(|s| s.stored).and_then(|s| s.stamp) else {
-                continue;
-            };
-            if map.owners(client).contains(&peer) {
-                checks.push((client.clone(), stamp));
-            }
-        }
+        let mut checks: Vec<(Arc<str>, Stamp)> = self
+            .checked_sessions(peer)
+            .into_iter()
+            .map(|(client, _, stamp)| (client, stamp))
+            .collect();
         if self.cluster.peer_protocol(peer) >= 6 {
             let name = self.cluster.peer_name(peer);
             for (client, copy) in &self.replicas.copies {
@@ -1128,6 +1193,23 @@ impl Engine {
         for (client, stamp) in checks {
             self.cluster.queue_copy_check(peer, &client, stamp);
         }
+    }
+
+    /// The stored, versioned sessions here whose partition `peer` owns.
+    fn checked_sessions(&self, peer: PeerId) -> Vec<(Arc<str>, SessionId, Stamp)> {
+        let Some(map) = self.replicas.map.as_ref() else {
+            return Vec::new();
+        };
+        let mut sessions = Vec::new();
+        for (client, &sid) in &self.by_client {
+            let Some(stamp) = self.session(sid).filter(|s| s.stored).and_then(|s| s.stamp) else {
+                continue;
+            };
+            if map.owners(client).contains(&peer) {
+                sessions.push((client.clone(), sid, stamp));
+            }
+        }
+        sessions
     }
 
     /// A claim for `client_id`, which has no session here: if this node holds its copy, the

@@ -259,6 +259,20 @@ impl Engine {
             self.claims.stats.refused_out_of_reach += 1;
             return;
         }
+        let cut_off = self
+            .by_client
+            .get(&pending.client_id)
+            .is_some_and(|&sid| self.cut_off_unconfirmed(sid));
+        if cut_off && !pending.connect.clean_start {
+            // Back in touch after a split: the other side may have made a newer version of
+            // this session and delivered what this one still has queued. Its owners answer
+            // within a round trip (`cut_off_sessions`); the client comes back then, here or
+            // through the load balancer elsewhere.
+            let why = "this node is catching up with the cluster after being cut off from it";
+            self.refuse(id, 0x88, why);
+            self.claims.stats.refused_out_of_reach += 1;
+            return;
+        }
         self.will_on_claim(&pending.client_id, now);
         if !self.claim_needed(&pending) {
             let resumes = !pending.connect.clean_start && pending.assigned.is_none();
@@ -614,6 +628,8 @@ impl Engine {
             }
             // A session of expiry 0 ended with its connection.
             if self.session(sid).is_some() {
+                // What waited for its confirmation goes with it (or ends with it).
+                self.confirm(sid, now);
                 if discard {
                     self.end_session(sid, now);
                 } else {

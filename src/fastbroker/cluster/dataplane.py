@@ -59,7 +59,8 @@ class DataPlane:
         peer = self.peer_ids.get(node_id)
         if peer is not None:
             # Acknowledgements held for this peer go out now: a down peer stalls no one.
-            self.engine.cluster_link(peer, False)
+            silent_ms = self.transport.silent_ms.pop(node_id, 0)
+            self.engine.cluster_link_lost(peer, silent_ms)
             self.server.schedule_flush()
 
     def writable(self, node_id: str, writable: bool) -> None:

@@ -558,6 +558,8 @@ class Transport:
         # A link that has received nothing for this long is closed (a half-open connection
         # to a peer that vanished); peers ping far more often. None: never.
         self.idle_timeout_s: float | None = None
+        # Per peer: how long its data link had received nothing when it went down.
+        self.silent_ms: dict[str, int] = {}
         self.server: asyncio.Server | None = None
         self.closing = False
         self.rng = random.Random()
@@ -749,6 +751,10 @@ class Transport:
             peer = link.peer_id
             if peer is not None and self.data_links.get(peer) is link:
                 del self.data_links[peer]
+                # How long the peer had been silent: after a split, long enough for it to
+                # have taken this node's sessions over (the engine's `cluster_link_lost`).
+                silent = self.loop.time() - link.last_received
+                self.silent_ms[peer] = max(0, int(silent * 1000))
                 if self.on_data_down is not None:
                     self.on_data_down(peer)
             return
