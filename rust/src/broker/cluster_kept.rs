@@ -62,7 +62,7 @@ pub(super) const TAKEN_IDS_PROTOCOL: u16 = 13;
 /// (`KeptEnd`, broker::cluster_sessions).
 pub(super) const RELAY_CAUGHT_UP_PROTOCOL: u16 = 13;
 /// Ids told (and remembered) per session at most.
-const TAKEN_IDS_MAX: usize = 1 << 16;
+pub(super) const TAKEN_IDS_MAX: usize = 1 << 16;
 
 /// A message kept for a dead home, as the session asking gets it.
 pub(super) type KeptDelivery = (Arc<Message>, QoS, bool, Vec<u32>);
@@ -471,7 +471,7 @@ impl Engine {
     /// Whether session `sid` came here (or its client came back) in the last `RECENT_MS`,
     /// or got what was kept for its dead home: a peer whose link comes up learns that this
     /// version exists, with what it took (none, perhaps).
-    fn moved_lately(&self, sid: SessionId, now: u64) -> bool {
+    pub(super) fn moved_lately(&self, sid: SessionId, now: u64) -> bool {
         let Some(recent) = self.session(sid).and_then(|s| s.recent.as_ref()) else {
             return false;
         };

@@ -38,6 +38,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use super::cluster::PeerId;
+use super::cluster_kept::{TAKEN_IDS_MAX, TAKEN_IDS_PROTOCOL};
 use super::cluster_sessions::FOUND_DOWN_MS;
 use super::cluster_streams::Streams;
 use super::router::Scope;
@@ -903,9 +904,23 @@ impl Engine {
                     .collect()
             })
             .unwrap_or_default();
+        // What this version took, as it would tell `to` when their link comes up
+        // (`send_taken_ids`): it may give way before that (told of the newer version by a
+        // third node), and the newer one, holding what came for it meanwhile until this
+        // one's word, would then deliver those again.
+        let taken = self.version_of(sid).filter(|_| self.moved_lately(sid, now));
         let Some(client) = self.retire(sid, now) else {
             return;
         };
+        if let Some(stamp) = taken {
+            // Ahead of what waited for `to` (as at a link-up): its version's wait for this
+            // node's word ends with the first batch it gets from here.
+            let node = super::cluster_retained::node_key(&self.cluster.name);
+            let ids = told.iter().copied().take(TAKEN_IDS_MAX);
+            self.cluster.queue_first(to, TAKEN_IDS_PROTOCOL, |items| {
+                items.taken_ids(&client, stamp, node, ids);
+            });
+        }
         let key = self.cluster.peer_key(to);
         self.replicas.installed.remove(&client);
         if self.cluster.peer_protocol(to) >= 5 {

@@ -4997,10 +4997,12 @@ fn what_a_cut_off_version_held_reaches_the_client_before_newer_messages_after_th
 /// Node 0 is cut off; "dev" moves from node 2 to node 1 and gets "m1" and "m2" there
 /// (published on node 2, which keeps them for node 0 too: a watcher there). Then its client
 /// goes to node 0, which resumes it from its copy, made before the split; "m3" reached node
-/// 1's version after its client left. 22 s later the split heals: links in the order
-/// `heal`. The watcher's and the client's connections on node 0.
+/// 1's version after its client left. `later_ms` later the split heals: links in the order
+/// `heal`, then `after_ms` pass. The watcher's and the client's connections on node 0.
 fn dev_got_m1_m2_on_node1_then_resumed_on_cut_off_node0(
     heal: &[(usize, usize)],
+    later_ms: u64,
+    after_ms: u64,
 ) -> (Nodes, Vec<Disk>, [crate::broker::ConnId; 2]) {
     let (mut n, mut disks, [dev, watcher, publisher]) = cut_off_with_dev_watch_pub_on([2, 0, 2]);
     let on1 = reconnect_elsewhere(&mut n, &mut disks, (2, dev), 1, "dev");
@@ -5026,14 +5028,14 @@ fn dev_got_m1_m2_on_node1_then_resumed_on_cut_off_node0(
     settle_and_sync(&mut n, &mut disks);
     assert_resumed(&mut n, 0, on0, &[]);
     for i in 0..3 {
-        tick_after(&mut n, i, 22_000);
+        tick_after(&mut n, i, later_ms);
     }
     for &(a, b) in heal {
         n.heal_link(a, b);
         settle_and_sync(&mut n, &mut disks);
     }
     for i in 0..3 {
-        tick_after(&mut n, i, 2_000);
+        tick_after(&mut n, i, after_ms);
     }
     settle_and_sync(&mut n, &mut disks);
     (n, disks, [watcher, on0])
@@ -5045,14 +5047,14 @@ fn what_a_session_got_before_its_client_went_to_a_cut_off_node_is_not_delivered_
     // for node 0 brings "m1" and "m2": not to the session there again. "m3" reached node
     // 1's version after its client left: node 1 does not list it (it went to no client
     // there), and node 0's takes it from node 2's queue.
-    dev_on_node0_gets_m3_only(&[(0, 1), (0, 2)]);
+    dev_on_node0_gets_m3_only(&[(0, 1), (0, 2)], 22_000);
 }
 
 /// `dev_got_m1_m2_on_node1_then_resumed_on_cut_off_node0`, then what node 0's clients get:
 /// the watcher every message, "dev" "m3" only (node 1's version, older, handed over).
-fn dev_on_node0_gets_m3_only(heal: &[(usize, usize)]) {
+fn dev_on_node0_gets_m3_only(heal: &[(usize, usize)], later_ms: u64) {
     let (mut n, _disks, [watcher, on0]) =
-        dev_got_m1_m2_on_node1_then_resumed_on_cut_off_node0(heal);
+        dev_got_m1_m2_on_node1_then_resumed_on_cut_off_node0(heal, later_ms, 2_000);
     let got = n.h[0].recv();
     assert_eq!(payloads(&got[&watcher]), ["m1", "m2", "m3"]);
     assert_eq!(payloads(&got[&on0]), ["m3"]);
@@ -5066,7 +5068,30 @@ fn what_a_session_got_is_not_delivered_again_when_another_nodes_link_comes_back_
     // came back first, and its queue for node 0 reached the session there before node 1
     // could say what its version took. Node 0's version, whose client came back while both
     // were out of reach, holds what node 2 brings until node 1 has said so.
-    dev_on_node0_gets_m3_only(&[(0, 2), (0, 1)]);
+    dev_on_node0_gets_m3_only(&[(0, 2), (0, 1)], 22_000);
+}
+
+#[test]
+fn what_a_version_took_is_not_delivered_again_when_it_gives_way_before_its_link_is_back() {
+    // Found by the fault-injection run's long splits (74 QoS 2 duplicates, seed 4): node 1's
+    // version of "dev", the older, learned of node 0's and gave way to it before their link
+    // was back (told by another path; here, a fence as node 2 would send). Its hand-over did
+    // not say what it had delivered, and node 0's version, once it had waited for node 1's
+    // word, delivered "m1" and "m2" again from node 2's queue.
+    let (mut n, mut disks, [watcher, on0]) =
+        dev_got_m1_m2_on_node1_then_resumed_on_cut_off_node0(&[(0, 2)], 3_000, 0);
+    let sid = n.h[0].e.by_client["dev"];
+    let newer = n.h[0].e.version_of(sid).expect("versioned");
+    let (to0, now) = (n.peer[1][0], n.h[1].now);
+    n.h[1].e.fence_received(to0, "dev", newer, "node0", now);
+    assert_eq!(n.h[1].e.replica_stats().fenced, 1);
+    n.heal_link(0, 1);
+    settle_and_sync(&mut n, &mut disks);
+    tick_after(&mut n, 0, 2_000);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv();
+    assert_eq!(payloads(&got[&watcher]), ["m1", "m2", "m3"]);
+    assert_eq!(payloads(&got[&on0]), ["m3"]);
 }
 
 #[test]
