@@ -4671,6 +4671,26 @@ fn a_session_fenced_with_its_connection_open_gives_way_without_taking_the_newer_
     assert_eq!(payloads(&n.h[1].recv_one(new)), ["after"]);
 }
 
+/// Nothing passes between nodes 0 and 1 for `silent_ms`, then their link is closed (as
+/// the link layer does after the failure timeout).
+fn fall_silent(n: &mut Nodes, silent_ms: u64) {
+    n.cut.push((0, 1));
+    for i in 0..2 {
+        tick_after(n, i, silent_ms);
+        let p = n.peer[i][1 - i];
+        n.h[i].e.cluster_link_lost(p, silent_ms);
+    }
+}
+
+/// The link between nodes 0 and 1 is back (nothing has moved over it yet).
+fn link_back(n: &mut Nodes) {
+    n.cut.clear();
+    for i in 0..2 {
+        let p = n.peer[i][1 - i];
+        n.h[i].e.cluster_link(p, true);
+    }
+}
+
 /// "s" (persistent, QoS 1 on `cmd/#`, offline) lives on node 0 with m1 and m2 queued
 /// (node 1 holds its copy); the link between the nodes falls silent for `silent_ms` and is
 /// closed; node 1 takes "s" over from its copy after the takeover time, and its client
@@ -4683,12 +4703,7 @@ fn s_taken_over_across_a_silence(silent_ms: u64) -> (Nodes, Vec<Disk>) {
         n.h[1].publish(publisher, "cmd/x", m, QoS::AtLeastOnce, false);
     }
     settle_and_sync(&mut n, &mut disks);
-    n.cut.push((0, 1));
-    for i in 0..2 {
-        tick_after(&mut n, i, silent_ms);
-        let p = n.peer[i][1 - i];
-        n.h[i].e.cluster_link_lost(p, silent_ms);
-    }
+    fall_silent(&mut n, silent_ms);
     for i in 0..2 {
         tick_after(&mut n, i, 8_000);
     }
@@ -4708,11 +4723,7 @@ fn s_taken_over_across_a_silence(silent_ms: u64) -> (Nodes, Vec<Disk>) {
     let now = n.h[1].now;
     n.h[1].e.closed(on1, now);
     settle_and_sync(&mut n, &mut disks);
-    n.cut.clear();
-    for i in 0..2 {
-        let p = n.peer[i][1 - i];
-        n.h[i].e.cluster_link(p, true);
-    }
+    link_back(&mut n);
     (n, disks)
 }
 
@@ -4747,17 +4758,8 @@ fn a_link_back_after_a_short_silence_leaves_the_sessions_here_served_at_once() {
     let (mut n, mut disks) = copying_nodes(2, &[0, 1], 5_000);
     offline_session(&mut n, 0, persistent_v5("s"), QoS::AtLeastOnce);
     settle_and_sync(&mut n, &mut disks);
-    n.cut.push((0, 1));
-    for i in 0..2 {
-        tick_after(&mut n, i, 1_000);
-        let p = n.peer[i][1 - i];
-        n.h[i].e.cluster_link_lost(p, 1_000);
-    }
-    n.cut.clear();
-    for i in 0..2 {
-        let p = n.peer[i][1 - i];
-        n.h[i].e.cluster_link(p, true);
-    }
+    fall_silent(&mut n, 1_000);
+    link_back(&mut n);
     let id = n.h[0].open_connect(persistent_v5("s"));
     settle_and_sync(&mut n, &mut disks);
     let got = n.h[0].recv_one(id);
