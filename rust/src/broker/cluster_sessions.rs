@@ -602,15 +602,24 @@ impl Engine {
             // Its home is down: answered from the copy here once read back.
             return;
         }
-        let newer_live = sid.is_some_and(|sid| {
-            self.session(sid).is_some_and(|s| s.conn.is_some())
-                && self.claims.won.get(&sid).is_some_and(|&w| w > stamp)
-        });
-        if newer_live {
-            // Made by a newer claim than this one, and its connection lives: it stays. (One
-            // whose client left goes to the claimant, the client's latest connection: a
-            // claim's stamp is ordered after another node's claim only through what its
-            // owner heard, and an owner new to the partition may not have heard of it.)
+        // Made by a newer claim than this one, or, made by none, installed here after it
+        // (taken over from a copy): a claim held up in a link's queue by a split arrives
+        // after that. (One made by a claim is stamped anew once installed: that stamp is
+        // after the claims racing with the one that made it.)
+        let newer = sid
+            .and_then(|sid| match self.claims.won.get(&sid) {
+                Some(&won) => Some(won),
+                None => self.session(sid).and_then(|s| s.stamp),
+            })
+            .is_some_and(|v| v > stamp);
+        let live = sid.is_some_and(|sid| self.session(sid).is_some_and(|s| s.conn.is_some()));
+        if newer && (live || discard) {
+            // Newer, and its connection lives, or the claimant would end it (the claimant's
+            // version gives way to it instead, told of it by the checks that follow a link
+            // back: `copy_check_received`): it stays. (One whose client left goes to a claim
+            // that takes it over, the client's latest connection: a claim's stamp is ordered
+            // after another node's claim only through what its owner heard, and an owner new
+            // to the partition may not have heard of it.)
             self.cluster
                 .queue_claim_answer(peer, client_id, stamp, &[], None, &[]);
             return;

@@ -4767,6 +4767,132 @@ fn a_link_back_after_a_short_silence_leaves_the_sessions_here_served_at_once() {
     assert!(connack(&got).session_present, "{got:?}");
 }
 
+/// Node 2 falls silent to nodes 0 and 1 for `silent_ms`, then its links are closed (as the
+/// link layer does after the failure timeout).
+fn node2_falls_silent(n: &mut Nodes, silent_ms: u64) {
+    for i in 0..2 {
+        n.cut.push((i, 2));
+    }
+    for i in 0..3 {
+        tick_after(n, i, silent_ms);
+    }
+    for i in 0..2 {
+        let (a, b) = (n.peer[i][2], n.peer[2][i]);
+        n.h[i].e.cluster_link_lost(a, silent_ms);
+        n.h[2].e.cluster_link_lost(b, silent_ms);
+    }
+}
+
+/// "s" lives on node 1 (owners 0 and 2); its client reconnects there as node 2 falls
+/// silent, so node 1's claim waits in the link to node 2 (it is sent again when the link is
+/// back). Node 1 gets m1 (in flight, not acknowledged) and m2 (queued, its client gone);
+/// node 2, cut off, takes "s" over from its copy and the client connects there (staying
+/// connected if `stays`; else node 2 gets "m2b" from a publisher of its own and queues it).
+/// Then the links come back.
+fn a_claim_held_up_by_a_split(stays: bool) -> (Nodes, Vec<Disk>, crate::broker::ConnId) {
+    let (mut n, mut disks) = copying_nodes(3, &[0, 2], 5_000);
+    let s = connect_on(&mut n, 1, persistent_v5("s"));
+    n.h[1].subscribe(s, "cmd/#", QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 0, super::tests::connect("p", Protocol::V5, true));
+    let local = connect_on(&mut n, 2, super::tests::connect("q", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    for i in 0..2 {
+        n.cut.push((i, 2));
+    }
+    let again = reconnect_elsewhere(&mut n, &mut disks, (1, s), 1, "s");
+    for i in 0..3 {
+        tick_after(&mut n, i, 3_000);
+        settle_and_sync(&mut n, &mut disks);
+    }
+    let got = n.h[1].recv_one(again);
+    assert!(connack(&got).session_present, "{got:?}");
+    node2_falls_silent(&mut n, 5_000);
+    n.h[0].publish(publisher, "cmd/x", "m1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[1].recv_one(again)), ["m1"]);
+    for i in 0..3 {
+        tick_after(&mut n, i, 6_000);
+    }
+    for _ in 0..3 {
+        settle_and_sync(&mut n, &mut disks);
+        serve_copy_loads(&mut n.h[2], &disks[2]);
+    }
+    assert!(n.h[2].e.by_client.contains_key("s"));
+    let now = n.h[1].now;
+    n.h[1].e.closed(again, now);
+    n.h[0].publish(publisher, "cmd/x", "m2", QoS::AtLeastOnce, false);
+    let on2 = n.h[2].open_connect(persistent_v5("s"));
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[2].recv_one(on2);
+    assert!(connack(&got).session_present, "{got:?}");
+    if !stays {
+        let now = n.h[2].now;
+        n.h[2].e.closed(on2, now);
+        n.h[2].publish(local, "cmd/x", "m2b", QoS::AtLeastOnce, false);
+        settle_and_sync(&mut n, &mut disks);
+    }
+    n.cut.clear();
+    for i in 0..2 {
+        let (a, b) = (n.peer[i][2], n.peer[2][i]);
+        n.h[i].e.cluster_link(a, true);
+        n.h[2].e.cluster_link(b, true);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    (n, disks, on2)
+}
+
+#[test]
+fn a_claim_held_up_by_a_split_does_not_end_the_newer_version_its_client_is_connected_to() {
+    // Found by the fault suite (3,671 acknowledged messages lost): node 1's claim reached
+    // node 2 8 s late, when node 2 had taken the session over and the client was connected
+    // there: the old claim ended that newer version (0x8E), node 1's version gave way to
+    // it, and the client started afresh with no subscriptions.
+    let (mut n, mut disks, on2) = a_claim_held_up_by_a_split(true);
+    // Node 1's version gave way to node 2's, with what it held for the client, and
+    // relayed for it for a while.
+    let got = n.h[2].recv_one(on2);
+    assert!(
+        !n.h[2].closed.contains(&on2),
+        "the newer version's client was closed"
+    );
+    assert_eq!(payloads(&got), ["m1", "m2"]);
+    puback_all(&mut n, 2, on2, &got);
+    for i in 0..3 {
+        tick_after(&mut n, i, 6_000);
+        settle_and_sync(&mut n, &mut disks);
+    }
+    let holding: Vec<bool> = (0..3)
+        .map(|i| n.h[i].e.by_client.contains_key("s"))
+        .collect();
+    assert_eq!(holding, [false, false, true]);
+    let publisher = connect_on(&mut n, 0, super::tests::connect("p2", Protocol::V5, true));
+    n.h[0].publish(publisher, "cmd/x", "m3", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[2].recv_one(on2)), ["m3"]);
+}
+
+#[test]
+fn a_claim_held_up_by_a_split_merges_the_newer_version_its_client_left_into_the_claimants() {
+    // As above, the client gone from node 2, which queued m2b meanwhile: the late claim
+    // (made to end other versions) gets node 2's version handed over, not ended.
+    let (mut n, mut disks, _) = a_claim_held_up_by_a_split(false);
+    for i in 0..3 {
+        tick_after(&mut n, i, 6_000);
+        settle_and_sync(&mut n, &mut disks);
+    }
+    let holding: Vec<usize> = (0..3)
+        .filter(|&i| n.h[i].e.by_client.contains_key("s"))
+        .collect();
+    assert_eq!(holding.len(), 1, "{holding:?}");
+    let back = n.h[0].open_connect(persistent_v5("s"));
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    let mut got = payloads(&got[1..]);
+    got.sort();
+    assert_eq!(got, ["m1", "m2", "m2b"]);
+}
+
 #[test]
 fn a_node_that_has_not_joined_its_cluster_refuses_connects_until_its_first_map() {
     // A node back after leaving, with an empty disk: no peer known yet, no map.
