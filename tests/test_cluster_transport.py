@@ -425,3 +425,60 @@ def test_a_data_link_that_goes_silent_is_dialled_again_while_its_control_link_st
             await p.transport.close()
 
     run(main())
+
+
+def test_a_data_dial_left_hanging_by_a_split_does_not_hold_up_the_data_link_once_back():
+    """Found by the fault suite: a data link found silent 50 ms before its control link was
+    dialled again in that gap, and the dial's SYNs were dropped by the split; the control
+    link came back after the heal, but the data link only once that dial had timed out
+    (5 s), and meanwhile the node took its peers for dead. Here the dial goes to a listener
+    whose accept queue is full (the kernel drops the SYNs)."""
+
+    async def main() -> None:
+        data_ups: list[str] = []
+        a = await Peer("a", on_data_up=data_ups.append).listen()
+        b = await Peer("b").listen()
+        a.dial(b)
+        await until(lambda: a.ups == ["b"] and b.ups == ["a"])
+
+        async def ticks(seconds: float, done) -> None:
+            end = asyncio.get_running_loop().time() + seconds
+            while asyncio.get_running_loop().time() < end and not done():
+                a.transport.maintain()
+                b.transport.maintain()
+                await asyncio.sleep(0.05)
+
+        await ticks(3.0, lambda: data_ups == ["b"])
+        assert data_ups == ["b"]
+        full = socket.socket()
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        filling = []
+        for _ in range(3):
+            s = socket.socket()
+            s.setblocking(False)
+            try:
+                s.connect(full.getsockname())
+            except BlockingIOError:
+                pass
+            filling.append(s)
+        real = a.transport.data_address
+        a.transport.data_address = lambda link: full.getsockname()
+        a.transport.data_links["b"].close("silent")
+        await ticks(1.0, lambda: "b" in a.transport.data_dialling)
+        hanging = a.transport.data_dialling["b"]
+        await asyncio.sleep(0.3)
+        assert not hanging.done()
+        a.transport.links["b"].close("silent")
+        a.transport.data_address = real
+        started = asyncio.get_running_loop().time()
+        await ticks(4.0, lambda: len(data_ups) == 2)
+        assert data_ups == ["b", "b"]
+        assert asyncio.get_running_loop().time() - started < 2.0
+        assert hanging.cancelled()
+        for s in [*filling, full]:
+            s.close()
+        for p in (a, b):
+            await p.transport.close()
+
+    run(main())

@@ -539,7 +539,8 @@ class Transport:
         # ones this node dials: peer -> [next attempt time, backoff].
         self.data_links: dict[str, Link] = {}
         self.data_dials: dict[str, list[float]] = {}
-        self.data_dialling: set[str] = set()
+        # Peer -> its data link's dial in progress.
+        self.data_dialling: dict[str, asyncio.Task[None]] = {}
         # Addresses we keep a link to (members, seeds): address -> next attempt time, backoff.
         self.targets: dict[tuple[str, int], list[float]] = {}
         self.dialling: set[tuple[str, int]] = set()
@@ -637,8 +638,9 @@ class Transport:
             address = self.data_address(link)
             if address is None or now < dial_state[0]:
                 continue
-            self.data_dialling.add(peer)
-            self.loop.create_task(self.dial_data(peer, address, dial_state))
+            self.data_dialling[peer] = self.loop.create_task(
+                self.dial_data(peer, address, dial_state)
+            )
 
     def data_address(self, link: Link) -> tuple[str, int] | None:
         """Where to dial the data link of the peer of control link `link`."""
@@ -663,7 +665,8 @@ class Transport:
             logger.debug("cannot open the data link to %s: %s", peer, error)
             self.back_off(state)
         finally:
-            self.data_dialling.discard(peer)
+            if self.data_dialling.get(peer) is asyncio.current_task():
+                del self.data_dialling[peer]
 
     async def dial(self, address: tuple[str, int], state: list[float]) -> None:
         try:
@@ -772,6 +775,13 @@ class Transport:
             data = self.data_links.get(peer)
             if data is not None:
                 data.close("control link down", level=logging.DEBUG)
+            # A dial of the data link still waiting (its peer went silent as the dial began:
+            # a split) would hold up the next one, once the control link is back, until its
+            # timeout: the new one goes at once.
+            dialling = self.data_dialling.pop(peer, None)
+            if dialling is not None:
+                dialling.cancel()
+            self.data_dials.pop(peer, None)
             if self.on_peer_down is not None:
                 self.on_peer_down(peer)
 
