@@ -26,7 +26,8 @@ fastbroker.cluster.dataplane). So heartbeats and Raft never wait behind megabyte
 forwarded messages in a socket buffer, and a peer that reads data slowly is not taken for
 a dead one. The data link is dialled by the node with the smaller id once the control link
 is up, and closed when the control link goes down (the control link's pings are what tell a
-vanished peer).
+vanished peer); a dial of it still in progress is dropped then too, so that one left waiting
+by a split does not hold up the data link once the control link is back.
 A refusal is sent as REJECT {reason} before closing, so the other side logs why.
 
 Two nodes may dial each other's control link at the same moment; the link dialled by the
