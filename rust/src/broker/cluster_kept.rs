@@ -11,8 +11,9 @@
 //! own queue for that home too. A batch written to the home's link before it died may have
 //! been applied there: the home tells the owners it copies to how far it applied each
 //! node's batches (`Applied`, after the copies they made), a claim answer read from a copy
-//! carries those marks, and only a written batch past its mark is handed on (none without
-//! one; owners keep the marks in their store too). The answers are `SessionMessage`s
+//! carries those marks, and a written batch past its mark is handed on, one within it not,
+//! and of one no mark covers only the QoS 1 deliveries (owners keep the marks in their store
+//! too). The answers are `SessionMessage`s
 //! marked kept. The session takes each id once, and remembers the ids of everything that
 //! reaches it (kept or straight: a publisher's node still sends to the dead home's queue
 //! too, while its rows are there) until its old home has been back for
@@ -724,11 +725,14 @@ impl Engine {
     /// The messages in the queue kept for peer `dead` (in memory) that session `client_id`
     /// gets with subscriptions `subs`, oldest first; not those that also went to the node
     /// with key `skip` for its own rows. A batch written to the dead node's link before it
-    /// went down it may have applied: only one past `applied` (its incarnation and number,
-    /// as the session's copy knows how far the home applied ours) goes, none without it
-    /// (handing it on could deliver a QoS 2 message twice; what the home applied and the
-    /// client was told of, the copy holds). Also returns the batches after those that live
-    /// only in the store (`cluster_kept_store` reads them back).
+    /// went down it may have applied (`handed_on`): one past `applied` (its incarnation and
+    /// number, as the session's copy knows how far the home applied ours) goes, one within
+    /// it does not (the copy holds what the home applied and the client was told of), and
+    /// of one it does not cover (no mark: the home went silent before it told) only the
+    /// QoS 1 deliveries go: a second one is allowed, a QoS 2 message delivered twice is not,
+    /// and one that only the home's version brings after the heal comes after newer ones.
+    /// Also returns the batches after those that live only in the store
+    /// (`cluster_kept_store` reads them back).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn kept_matching(
         &mut self,
@@ -744,9 +748,11 @@ impl Engine {
         let spilled = self
             .cluster
             .each_kept_frame(dead, |epoch, seq, written, frame| {
-                if !handed_on(epoch, seq, written, applied) {
+                let Some(most) = handed_on(epoch, seq, written, applied) else {
                     sent += 1;
-                } else if !kept_in_frame(frame, client_id, subs, skip, now, &mut out) {
+                    return;
+                };
+                if !kept_in_frame(frame, client_id, subs, skip, most, now, &mut out) {
                     unreadable += 1;
                 }
             });
@@ -774,27 +780,40 @@ impl Engine {
             "kept_not_searched",
             Arc::from(client_id),
             format!(
-                "batches kept for {name} not looked through: {sent} written to its link \
-                 before it went down, {unreadable} unreadable"
+                "batches kept for {name} not looked through: {sent} it had applied (the \
+                 copy's mark), {unreadable} unreadable"
             ),
         );
     }
 }
 
-/// Whether a batch kept for a dead node (its incarnation and number, and whether it was
-/// written to the node's link) is handed on, given how far the node applied ours.
-pub(super) fn handed_on(epoch: u64, seq: u64, written: bool, applied: Option<(u64, u64)>) -> bool {
-    let past = |(e, s): (u64, u64)| seq != 0 && epoch == e && seq > s;
-    !written || applied.is_some_and(past)
+/// Which deliveries of a batch kept for a dead node (its incarnation and number, and
+/// whether it was written to the node's link) are handed on, given how far the node
+/// applied ours: all (`ExactlyOnce` and below), QoS 1 only (`AtLeastOnce`: a written one
+/// the mark does not cover), or none (the mark covers it).
+pub(super) fn handed_on(
+    epoch: u64,
+    seq: u64,
+    written: bool,
+    applied: Option<(u64, u64)>,
+) -> Option<QoS> {
+    match applied {
+        _ if !written => Some(QoS::ExactlyOnce),
+        Some((e, s)) if seq != 0 && epoch == e => (seq > s).then_some(QoS::ExactlyOnce),
+        _ => Some(QoS::AtLeastOnce),
+    }
 }
 
 /// Adds to `out` the messages of batch `frame` that session `client_id` with `subs` gets
-/// (not those that also went to the node with key `skip`). False if it cannot be read.
+/// (not those that also went to the node with key `skip`; with `most` below QoS 2, only
+/// the QoS 1 deliveries). False if it cannot be read.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn kept_in_frame(
     frame: &[u8],
     client_id: &str,
     subs: &[KeptSub<'_>],
     skip: Option<u64>,
+    most: QoS,
     now: u64,
     out: &mut Vec<KeptDelivery>,
 ) -> bool {
@@ -828,6 +847,9 @@ pub(super) fn kept_in_frame(
             },
             _ => continue,
         };
+        if most != QoS::ExactlyOnce && qos != QoS::AtLeastOnce {
+            continue;
+        }
         if let Ok(msg) = message_from_wire(&m, now) {
             out.push((Arc::new(msg), qos, retain, sub_ids));
         }

@@ -209,12 +209,13 @@ impl Engine {
                 (None, None) => continue,
             };
             for (search, out) in searches.iter().zip(found.iter_mut()) {
-                if !handed_on(b.epoch, b.seq, b.sent, search.applied) {
+                let Some(most) = handed_on(b.epoch, b.seq, b.sent, search.applied) else {
                     sent += 1;
                     continue;
-                }
+                };
                 let subs = kept_subs(&search.subs);
-                if !kept_in_frame(&frame, &search.client_id, &subs, search.skip, now, out) {
+                let (client, skip) = (&search.client_id, search.skip);
+                if !kept_in_frame(&frame, client, &subs, skip, most, now, out) {
                     unreadable += 1;
                 }
             }

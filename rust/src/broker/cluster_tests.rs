@@ -3049,6 +3049,41 @@ fn a_batch_written_to_the_home_before_it_died_is_handed_on_unless_the_copy_says_
 }
 
 #[test]
+fn a_batch_written_to_the_home_that_no_mark_covers_hands_on_its_qos1_deliveries_only() {
+    // Found by the fault suite's splits (27 and 81 reorders in two runs): a message written
+    // to the link of a subscriber's home just as the home was cut off reached the client
+    // only once the home's version gave way after the heal, after newer ones the version
+    // made from the copy had delivered. Whether the home applied it, no mark says: a second
+    // QoS 1 delivery is allowed, a second QoS 2 one is not.
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
+    offline_session(&mut n, 0, persistent_v5("dev"), QoS::ExactlyOnce);
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    let node2 = super::cluster_retained::node_key("node2");
+    assert!(n.h[1].e.copy_marks("dev").iter().all(|m| m.node != node2));
+    n.mute.push((2, 0));
+    n.h[2].publish(publisher, "cmd/dev", "w1", QoS::AtLeastOnce, false);
+    n.h[2].publish(publisher, "cmd/dev", "w2", QoS::ExactlyOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    n.mute.clear();
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    let back = resume_from_copy_on_node1(&mut n, &mut disks, 1);
+    let got = n.h[1].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), ["w1"]);
+    puback_all(&mut n, 1, back, &got);
+    // Node 0 is back: w2 comes through it, w1 not again.
+    n.heal_link(0, 1);
+    n.heal_link(0, 2);
+    for i in 0..3 {
+        tick_after(&mut n, i, 1_000);
+        settle_and_sync(&mut n, &mut disks);
+    }
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["w2"]);
+}
+
+#[test]
 fn an_owner_that_restarts_after_the_home_died_still_knows_how_far_it_applied() {
     written_batches_after_the_home_died(true);
 }
