@@ -191,7 +191,8 @@ def _spawn(kind, cmd, workdir: Path, port: int, options: dict, env=None) -> Brok
 
 
 def _start_with_retries(start_once, port: int | None):
-    """A port from free_port() can be taken before the broker binds it: retry."""
+    """A port from free_port() can be taken before the broker binds it, or be the one a
+    test picked for another listener of the same broker: retry."""
     attempts = 1 if port else 3
     last: Exception | None = None
     for _ in range(attempts):
@@ -199,7 +200,7 @@ def _start_with_retries(start_once, port: int | None):
             return start_once(port or free_port())
         except RuntimeError as e:
             last = e
-            if "in use" not in str(e).lower():
+            if "in use" not in str(e).lower() and "both on port" not in str(e):
                 raise
     assert last is not None
     raise last
