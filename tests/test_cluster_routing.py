@@ -1479,7 +1479,17 @@ def test_a_joining_node_is_streamed_the_copies_it_owns_and_the_home_can_then_die
     with Cluster(tmp_path) as cluster:
         n1, n2 = start_cluster(cluster, 2)
         root = unique("stream")
-        clients = [unique(f"mover{i}") for i in range(12)]
+        # Four of them in partitions n2 no longer owns once n3 is in (so it must release
+        # them), the rest wherever they fall.
+        owners = compute_map(["n1", "n2", "n3"]).replicas
+
+        def owners_of(cid: str) -> set[str]:
+            return set(owners[partition_of(cid.encode(), len(owners))])
+
+        clients = [
+            next(c for c in (unique(f"mover{i}") for _ in range(1000)) if "n2" not in owners_of(c))
+            for i in range(4)
+        ] + [unique(f"mover{i}") for i in range(4, 12)]
         expiry = {"SessionExpiryInterval": 300}
         offline_subscribers(n1, root, clients)
         wait_rows(n2, "n1", 12)
@@ -1516,9 +1526,9 @@ def test_a_joining_node_is_streamed_the_copies_it_owns_and_the_home_can_then_die
 
         wait_for(lambda: backlog() == {"n1": 0, "n2": 0, "n3": 0}, 10, "status", n2)
         # n3 owns some of the partitions now; n2 holds only those it still owns.
-        wait_for(lambda: metric(n2, "cluster_session_copies") < 12, 10, "released", n2)
-        assert metric(n3, "cluster_session_copies") >= 1
-        assert metric(n2, "cluster_session_copies") + metric(n3, "cluster_session_copies") >= 12
+        kept = sum("n2" in owners_of(c) for c in clients)
+        wait_for(lambda: metric(n2, "cluster_session_copies") == kept, 10, "released", n2)
+        assert metric(n3, "cluster_session_copies") == sum("n3" in owners_of(c) for c in clients)
 
         n1.kill()
         for i, cid in enumerate(clients):
