@@ -326,6 +326,7 @@ impl Engine {
             return;
         }
         self.drop_copies_not_owned();
+        self.ask_owners_named_anew(now);
         self.wills_map_changed(now);
         self.registry_map_changed();
         let sids: Vec<SessionId> = self.by_client.values().copied().collect();
@@ -1071,6 +1072,41 @@ impl Engine {
                  taken over wait for its word"
             ),
         );
+    }
+
+    /// A new map may name owners that the unconfirmed sessions here did not ask (they were
+    /// not owners when their links came up): those that are up are asked now, and a session
+    /// every owner has answered is confirmed. Else it would hold its deliveries for an
+    /// answer never asked for, until the takeover time.
+    fn ask_owners_named_anew(&mut self, now: u64) {
+        if self.replicas.unconfirmed.is_empty() {
+            return;
+        }
+        let Some(map) = self.replicas.map.as_ref() else {
+            return;
+        };
+        let mut asks = Vec::new();
+        let mut sids = Vec::new();
+        for (&sid, u) in &self.replicas.unconfirmed {
+            let Some((client, stamp)) = self
+                .session(sid)
+                .and_then(|s| s.stamp.map(|stamp| (s.client_id.clone(), stamp)))
+            else {
+                continue;
+            };
+            for &p in map.owners(&client) {
+                if p != THIS_NODE && !u.answered.contains(&p) && self.cluster.peer_up(p) {
+                    asks.push((p, client.clone(), stamp));
+                }
+            }
+            sids.push(sid);
+        }
+        for (p, client, stamp) in asks {
+            self.cluster.queue_copy_check(p, &client, stamp);
+        }
+        for sid in sids {
+            self.confirm_if_answered(sid, now);
+        }
     }
 
     /// Whether `sid` waits for an owner this node was cut off from (`cut_off_sessions`).

@@ -4802,6 +4802,50 @@ fn a_link_back_after_a_short_silence_leaves_the_sessions_here_served_at_once() {
     assert!(connack(&got).session_present, "{got:?}");
 }
 
+#[test]
+fn a_node_back_in_touch_asks_the_owners_a_new_map_names_before_its_sessions_send_on() {
+    // Found by the fault suite's long splits (seed 6: the last 20 acknowledged messages of
+    // a run held past its end): node 0, cut off with "s" connected there, came back in
+    // touch under the old map, in which node 2 did not own "s"'s partition, so only node 1
+    // was asked whether a newer version lived on its side. The map that took node 0 out
+    // came next and named node 2, which nobody had asked: "s" held what reached it for that
+    // answer until the takeover time.
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 5_000);
+    let s = connect_on(&mut n, 0, persistent_v5("s"));
+    n.h[0].subscribe(s, "cmd/#", QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 1, super::tests::connect("p", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    // Silent long enough for the other side to have taken "s" over (half the takeover
+    // time), too short for it to have done so.
+    for j in 1..3 {
+        n.cut.push((0, j));
+    }
+    for i in 0..3 {
+        tick_after(&mut n, i, 3_000);
+    }
+    for j in 1..3 {
+        let (a, b) = (n.peer[0][j], n.peer[j][0]);
+        n.h[0].e.cluster_link_lost(a, 3_000);
+        n.h[j].e.cluster_link_lost(b, 3_000);
+    }
+    n.cut.clear();
+    for j in 1..3 {
+        let (a, b) = (n.peer[0][j], n.peer[j][0]);
+        n.h[0].e.cluster_link(a, true);
+        n.h[j].e.cluster_link(b, true);
+    }
+    for i in 0..3 {
+        set_map(&mut n, i, &[1, 2], 2);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    n.h[1].publish(publisher, "cmd/x", "m1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    tick_after(&mut n, 0, 100);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv_one(s);
+    assert_eq!(payloads(&got), ["m1"], "{got:?}");
+}
+
 /// Node 2 falls silent to nodes 0 and 1 for `silent_ms`, then its links are closed (as the
 /// link layer does after the failure timeout).
 fn node2_falls_silent(n: &mut Nodes, silent_ms: u64) {
