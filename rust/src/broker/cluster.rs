@@ -1848,7 +1848,6 @@ impl Engine {
             let peer = c.peer_mut(id).expect("checked");
             if h.seq <= peer.recv_seq {
                 // Sent again after a reconnect, and applied before: acknowledged again only.
-                self.heard_from(id, !items.is_empty(), now);
                 return Ok(());
             }
             peer.recv_seq = h.seq;
@@ -1861,7 +1860,6 @@ impl Engine {
         let peer = c.peer_mut(id).expect("checked");
         peer.stats.messages_in += messages.len() as u64;
         let mut messages = messages.into_iter();
-        let has_items = !items.is_empty();
         for item in items {
             let c = &mut self.cluster;
             match item {
@@ -1874,6 +1872,7 @@ impl Engine {
                     }
                     // Sent after what the link held for this node: that is all in now.
                     self.relay_caught_up(id);
+                    self.heard_from(id, now);
                 }
                 Item::RouteAdd { version, filter } | Item::RouteRemove { version, filter } => {
                     let add = matches!(item, Item::RouteAdd { .. });
@@ -2045,18 +2044,19 @@ impl Engine {
         if std::mem::take(&mut self.replicas.degraded) {
             self.replicas_degraded_ack();
         }
-        self.heard_from(id, has_items, now);
         Ok(())
     }
 
-    /// A batch from peer `id` was applied (`has_items`: it was more than an
-    /// acknowledgement): the first since its link came up brought what its sessions took
-    /// (`TakenIds`, sent first), so the sessions here that waited for that send on.
-    fn heard_from(&mut self, id: PeerId, has_items: bool, now: u64) {
+    /// Peer `id` sent its rows, after what its link held for this node: what its sessions
+    /// took (`TakenIds`, sent first) and the batches it kept for this node are all in, so
+    /// the sessions here that waited for its word send on. (Its first batch says what its
+    /// sessions took, but messages it kept for this node come after: a session that sent
+    /// on then would send newer ones that another node relayed before them.)
+    fn heard_from(&mut self, id: PeerId, now: u64) {
         let Some(peer) = self.cluster.peer_mut(id) else {
             return;
         };
-        if !has_items || peer.heard || !peer.up {
+        if peer.heard || !peer.up {
             return;
         }
         peer.heard = true;

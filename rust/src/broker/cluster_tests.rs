@@ -5279,6 +5279,32 @@ fn what_a_session_got_is_not_delivered_again_when_another_nodes_link_comes_back_
 }
 
 #[test]
+fn what_a_node_kept_for_a_cut_off_session_reaches_it_before_newer_ones_relayed_by_another() {
+    // Found by the fault suite's long splits (408 and 411 reorders in two runs): node 1's
+    // link to node 0 came back first, and its version of "dev" gave way to node 0's and
+    // relayed there; "n1", published on node 2 before node 2's link to node 0 was back,
+    // reached node 0 through that relay. Node 0's version waited for node 2's word, and
+    // took it from node 2's first batch since the link came back, ahead of the batches
+    // node 2 had kept for node 0 ("m3"): "n1" went to the client before "m3".
+    let (mut n, mut disks, [_, on0]) =
+        dev_got_m1_m2_on_node1_then_resumed_on_cut_off_node0(&[(0, 1)], 22_000, 0);
+    let sid = n.h[2].e.by_client["pub"];
+    let publisher = n.h[2]
+        .e
+        .session(sid)
+        .and_then(|s| s.conn)
+        .expect("connected");
+    n.h[2].publish(publisher, "cmd/dev", "n1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    n.heal_link(0, 2);
+    settle_and_sync(&mut n, &mut disks);
+    tick_after(&mut n, 0, 2_000);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv();
+    assert_eq!(payloads(&got[&on0]), ["m3", "n1"]);
+}
+
+#[test]
 fn what_a_version_took_is_not_delivered_again_when_it_gives_way_before_its_link_is_back() {
     // Found by the fault-injection run's long splits (74 QoS 2 duplicates, seed 4): node 1's
     // version of "dev", the older, learned of node 0's and gave way to it before their link
