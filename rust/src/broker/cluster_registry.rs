@@ -255,6 +255,9 @@ impl Engine {
             ask.push(self.cluster.retained.node);
         }
         let claimants = self.registry.claimants.get(client);
+        // The home of a copy held here holds the session, whatever its list says (a list
+        // can lag a session that came to it as a split healed).
+        let copy_home = self.copy_home(client);
         for (peer, key) in self.cluster.peer_keys() {
             if peer == claimant {
                 continue;
@@ -263,7 +266,7 @@ impl Engine {
             let whole = owner && homes.is_some_and(|h| h.whole_for == map);
             let holds = homes.is_some_and(|h| h.clients.contains(client));
             let claims = claimants.is_some_and(|c| c.iter().any(|&(p, _)| p == peer));
-            if !whole || holds || claims {
+            if !whole || holds || claims || copy_home == Some(peer) {
                 ask.push(key);
             }
         }
@@ -294,6 +297,14 @@ impl Engine {
             c.retain(|&(_, until)| now < until);
         }
         self.registry.claimants.retain(|_, c| !c.is_empty());
+    }
+
+    /// Forgets that `peer` holds `client` (tests: a list that lags).
+    #[cfg(test)]
+    pub(super) fn registry_forget(&mut self, peer: PeerId, client: &str) {
+        if let Some(h) = self.registry.of_peer.get_mut(&peer) {
+            h.clients.remove(client);
+        }
     }
 
     pub fn registry_stats(&self) -> (RegistryStats, usize) {

@@ -4846,6 +4846,28 @@ fn a_node_back_in_touch_asks_the_owners_a_new_map_names_before_its_sessions_send
     assert_eq!(payloads(&got), ["m1"], "{got:?}");
 }
 
+#[test]
+fn a_claim_routed_by_an_owner_whose_list_lags_still_asks_the_home_of_the_copy_it_holds() {
+    // Found by the fault suite's long splits (seed 7: 579 acknowledged messages lost):
+    // "s" came to node 0 as a split healed, and the partition's primary (node 2), holding
+    // its copy, did not have it in its list of node 0's sessions. A claim it routed named
+    // only itself; it watched its copy (the home up) for the takeover time, answered
+    // nothing, and the client started afresh, without its subscriptions.
+    let (mut n, mut disks) = copying_nodes(3, &[2, 1], 5_000);
+    offline_session(&mut n, 0, persistent_v5("s"), QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 1, super::tests::connect("p", Protocol::V5, true));
+    n.h[1].publish(publisher, "cmd/x", "m1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(n.h[2].e.holds_copy("s"));
+    let home = n.peer[2][0];
+    n.h[2].e.registry_forget(home, "s");
+    let id = n.h[1].open_connect(persistent_v5("s"));
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[1].recv_one(id);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert_eq!(payloads(&got[1..]), ["m1"]);
+}
+
 /// Node 2 falls silent to nodes 0 and 1 for `silent_ms`, then its links are closed (as the
 /// link layer does after the failure timeout).
 fn node2_falls_silent(n: &mut Nodes, silent_ms: u64) {
