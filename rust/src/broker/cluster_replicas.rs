@@ -1188,9 +1188,13 @@ impl Engine {
 
     /// `sid` is the newest version of its session: what waited for it is delivered.
     pub(super) fn confirm(&mut self, sid: SessionId, now: u64) {
-        let Some(u) = self.replicas.unconfirmed.remove(&sid) else {
+        let Some(mut u) = self.replicas.unconfirmed.remove(&sid) else {
             return;
         };
+        // What each node kept for this one while cut off and what came since (relayed by
+        // another node, say) can arrive interleaved: each publishing node's messages go in
+        // its order.
+        in_origin_order(&mut u.held, |h| h.msg.id);
         for h in u.held {
             self.deliver(sid, &h.msg, h.qos, h.retain, h.sub_ids, now);
         }
@@ -1604,5 +1608,98 @@ impl Engine {
         let stamp = self.cluster.retained.next(self.wall(now));
         self.session_mut(sid).expect("checked").stamp = Some(stamp);
         self.copy_session(sid, None, now);
+    }
+}
+
+/// Puts the items with an id of each publishing node (an id's upper half) in the order of
+/// their ids, in the places that node's items hold; the other items stay where they are.
+pub(super) fn in_origin_order<T>(items: &mut [T], id: impl Fn(&T) -> u128) {
+    let mut places: HashMap<u64, Vec<usize>> = HashMap::new();
+    for (i, item) in items.iter().enumerate() {
+        let id = id(item);
+        if id != 0 {
+            places.entry((id >> 64) as u64).or_default().push(i);
+        }
+    }
+    for at in places.values() {
+        if at.windows(2).all(|w| id(&items[w[0]]) < id(&items[w[1]])) {
+            continue;
+        }
+        let mut sorted = at.clone();
+        sorted.sort_by_key(|&i| id(&items[i]));
+        // Apply the permutation: position at[k] gets the item now at sorted[k].
+        let mut moved: Vec<Option<usize>> = vec![None; items.len()];
+        for (&to, &from) in at.iter().zip(&sorted) {
+            moved[to] = Some(from);
+        }
+        let mut done = vec![false; items.len()];
+        for &start in at {
+            if done[start] {
+                continue;
+            }
+            // Follow the cycle that starts at `start`.
+            let mut i = start;
+            while let Some(from) = moved[i].filter(|&f| f != start) {
+                items.swap(i, from);
+                done[i] = true;
+                i = from;
+            }
+            done[i] = true;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::in_origin_order;
+
+    fn id(origin: u64, n: u64) -> u128 {
+        (u128::from(origin) << 64) | u128::from(n)
+    }
+
+    #[test]
+    fn each_origins_items_go_in_id_order_in_the_places_they_hold() {
+        let mut items = vec![
+            id(1, 3),
+            id(2, 9),
+            0,
+            id(1, 1),
+            id(2, 7),
+            id(1, 2),
+            0,
+            id(2, 8),
+        ];
+        in_origin_order(&mut items, |&i| i);
+        assert_eq!(
+            items,
+            vec![
+                id(1, 1),
+                id(2, 7),
+                0,
+                id(1, 2),
+                id(2, 8),
+                id(1, 3),
+                0,
+                id(2, 9)
+            ]
+        );
+    }
+
+    #[test]
+    fn any_permutation_of_one_origin_comes_out_sorted() {
+        let orders: [&[u64]; 5] = [
+            &[5, 1, 4, 2, 3],
+            &[2, 3, 4, 5, 1],
+            &[5, 4, 3, 2, 1],
+            &[1],
+            &[],
+        ];
+        for order in orders {
+            let mut items: Vec<u128> = order.iter().map(|&n| id(3, n)).collect();
+            in_origin_order(&mut items, |&i| i);
+            let mut want: Vec<u128> = order.iter().map(|&n| id(3, n)).collect();
+            want.sort();
+            assert_eq!(items, want, "{order:?}");
+        }
     }
 }
