@@ -641,13 +641,13 @@ impl Engine {
             .any(|u| matches!(u, Use::Takeover))
     }
 
-    /// Whether this node holds a copy of `client_id`'s session.
     /// The home of the copy of `client_id` held here, if it is a peer.
     pub(super) fn copy_home(&self, client_id: &str) -> Option<PeerId> {
         let copy = self.replicas.copies.get(client_id)?;
         self.cluster.peer_id_of(&copy.home)
     }
 
+    /// Whether this node holds a copy of `client_id`'s session.
     pub(super) fn holds_copy(&self, client_id: &str) -> bool {
         self.replicas.copies.contains_key(client_id)
     }
