@@ -1444,6 +1444,7 @@ impl Engine {
             self.release_link_waiters();
             // Nor a connect claiming a client id.
             self.claims_peer_down(id, now);
+            self.kept_asks_peer_down(id, now);
         }
     }
 

@@ -25,6 +25,11 @@
 //! Batches of a down peer past `cluster_outbox_memory` live only in the store: they are read
 //! back and looked through after those in memory (`cluster_kept_store`).
 //!
+//! **A home still up for the node asked.** The two ends of a silence find it moments
+//! apart: a node asked about a home it has not found down yet holds the ask until it has
+//! (then answers: what it wrote to that home's link as the silence began is kept for it),
+//! or until `KEPT_WAIT_MS` passed (then ends it with nothing: a home up gets its queue).
+//!
 //! **Order.** A node asked may have sent the new home newer messages for the session's
 //! filters before it got the ask (the new home had a route for them already, for another
 //! session): they would reach the client before the older kept ones. So an asked node of
@@ -316,12 +321,66 @@ impl Engine {
         subs: &[KeptSub<'_>],
         now: u64,
     ) {
-        // (A home that is up gets its queue: it sends on what reaches it.)
-        let dead = self.cluster.peer_by_key(home);
-        if let Some(dead) = dead.filter(|&d| d != peer && !self.cluster.peer_up(d)) {
-            self.answer_kept(peer, dead, client_id, again, applied, subs, now);
+        let dead = self.cluster.peer_by_key(home).filter(|&d| d != peer);
+        match dead {
+            Some(dead) if !self.cluster.peer_up(dead) => {
+                self.answer_kept(peer, dead, client_id, again, applied, subs, now);
+            }
+            Some(dead) if self.claims.kept_asks.len() < KEPT_ASKS_MAX => {
+                // Down for the asker, still up here: the two ends of a silence find it
+                // moments apart, and what this node wrote to that home's link as the
+                // silence began is kept for it once it is down here too. (A home that is
+                // up gets its queue: it sends on what reaches it.)
+                let asks = &mut self.claims.kept_asks;
+                asks.retain(|a| !(a.peer == peer && *a.client == *client_id));
+                asks.push(HeldKeptAsk {
+                    peer,
+                    client: Arc::from(client_id),
+                    home: dead,
+                    again,
+                    applied,
+                    subs: owned_subs(subs),
+                    until: now + KEPT_WAIT_MS,
+                });
+                return;
+            }
+            _ => {}
         }
         self.cluster.queue_kept_end(peer, client_id);
+    }
+
+    /// Peer `id`'s link went down: the asks held for it as a home still up here are
+    /// answered, and those it made go.
+    pub(super) fn kept_asks_peer_down(&mut self, id: PeerId, now: u64) {
+        if self.claims.kept_asks.is_empty() {
+            return;
+        }
+        let (due, rest): (Vec<HeldKeptAsk>, Vec<HeldKeptAsk>) =
+            std::mem::take(&mut self.claims.kept_asks)
+                .into_iter()
+                .filter(|a| a.peer != id)
+                .partition(|a| a.home == id);
+        self.claims.kept_asks = rest;
+        for a in due {
+            let subs = kept_subs(&a.subs);
+            self.answer_kept(a.peer, id, &a.client, a.again, a.applied, &subs, now);
+            self.cluster.queue_kept_end(a.peer, &a.client);
+        }
+    }
+
+    /// Asks held for a home that stayed up here past `KEPT_WAIT_MS` end with nothing.
+    pub(super) fn kept_asks_tick(&mut self, now: u64) {
+        if self.claims.kept_asks.is_empty() {
+            return;
+        }
+        let (due, rest): (Vec<HeldKeptAsk>, Vec<HeldKeptAsk>) =
+            std::mem::take(&mut self.claims.kept_asks)
+                .into_iter()
+                .partition(|a| now >= a.until);
+        self.claims.kept_asks = rest;
+        for a in due {
+            self.cluster.queue_kept_end(a.peer, &a.client);
+        }
     }
 
     /// What `kept_asked` sends: what is kept for `dead` and matches `subs`.
@@ -340,17 +399,7 @@ impl Engine {
         let (kept, spilled) = self.kept_matching(dead, client_id, subs, skip, applied, now);
         self.hand_kept(peer, client_id, kept, now);
         if !spilled.is_empty() {
-            let owned = subs
-                .iter()
-                .map(|s| {
-                    (
-                        s.filter.to_string(),
-                        s.qos,
-                        s.retain_as_published,
-                        s.identifier,
-                    )
-                })
-                .collect();
+            let owned = owned_subs(subs);
             let search = Search::new(
                 Asker::Peer(peer),
                 Arc::from(client_id),
@@ -858,6 +907,33 @@ pub(super) fn kept_in_frame(
 }
 
 pub(super) type OwnedSub = (String, u8, bool, u32);
+
+fn owned_subs(subs: &[KeptSub<'_>]) -> Vec<OwnedSub> {
+    subs.iter()
+        .map(|s| {
+            (
+                s.filter.to_string(),
+                s.qos,
+                s.retain_as_published,
+                s.identifier,
+            )
+        })
+        .collect()
+}
+
+/// An ask for what this node kept for a home it still sees up (`kept_asked`).
+pub(super) struct HeldKeptAsk {
+    peer: PeerId,
+    client: Arc<str>,
+    home: PeerId,
+    again: bool,
+    applied: Option<(u64, u64)>,
+    subs: Vec<OwnedSub>,
+    until: u64,
+}
+
+/// Asks held at most (past that, answered at once as before: nothing).
+const KEPT_ASKS_MAX: usize = 4096;
 
 pub(super) fn kept_subs(owned: &[OwnedSub]) -> Vec<KeptSub<'_>> {
     owned

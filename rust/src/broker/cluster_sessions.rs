@@ -173,6 +173,8 @@ pub(super) struct Claims {
     /// Sessions that send nothing new to their clients until the nodes they asked for what
     /// was kept for their dead home have answered (`cluster_kept`).
     pub(super) kept_holds: Vec<SessionId>,
+    /// Asks for what was kept for a home still up here (`cluster_kept`).
+    pub(super) kept_asks: Vec<super::cluster_kept::HeldKeptAsk>,
     pub(super) stats: ClaimStats,
 }
 

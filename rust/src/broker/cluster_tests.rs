@@ -3084,6 +3084,35 @@ fn a_batch_written_to_the_home_that_no_mark_covers_hands_on_its_qos1_deliveries_
 }
 
 #[test]
+fn a_node_asked_for_what_it_kept_for_a_home_it_still_sees_up_answers_once_it_is_down_there_too() {
+    // Found by the fault suite's long splits (27 and 9 acknowledged messages lost in two
+    // runs): the messages each publisher had in flight to the subscriber's home as a split
+    // began. The client resumed on another node from the copy, which asked the publishers'
+    // node for what it kept for the home; that node, which had not found the home down
+    // yet (the two ends of a silence find it moments apart), said it kept nothing.
+    let (mut n, mut disks) = copying_nodes(3, &[0, 1], 0);
+    offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    n.mute.push((2, 0));
+    n.h[2].publish(publisher, "cmd/dev", "w1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    // Node 1 finds node 0 gone; node 2 not yet (its link stays up, silent).
+    n.cut_link(0, 1);
+    n.cut.push((0, 2));
+    let back = resume_from_copy_on_node1(&mut n, &mut disks, 1);
+    let got = n.h[1].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert!(payloads(&got[1..]).is_empty(), "{got:?}");
+    // Node 2 finds node 0 down too: what it wrote to that link goes to the session.
+    let (p20, p02) = (n.peer[2][0], n.peer[0][2]);
+    n.h[2].e.cluster_link_lost(p20, 5_000);
+    n.h[0].e.cluster_link_lost(p02, 5_000);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["w1"]);
+}
+
+#[test]
 fn an_owner_that_restarts_after_the_home_died_still_knows_how_far_it_applied() {
     written_batches_after_the_home_died(true);
 }

@@ -41,6 +41,7 @@ impl Engine {
         self.replicas_tick(now);
         self.wills_tick(now);
         self.kept_holds_tick(now);
+        self.kept_asks_tick(now);
         let connect_timeout = self.cfg.connect_timeout_ms;
         let mut to_close: Vec<(ConnId, bool)> = Vec::new();
         for (i, conn) in self.conns.iter().enumerate() {
