@@ -25,8 +25,9 @@ from test_cluster_routing import (
     wait_rows,
 )
 
-# The previous release: the last commit that speaks protocol 12 (before TakenIds).
-PREVIOUS = "a1db3b8"
+# The previous release: the last commit that speaks protocol 13 (before released QoS 2
+# messages carry their packet ids).
+PREVIOUS = "8c9d440"
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +55,11 @@ def test_a_cluster_runs_mixed_during_an_upgrade_and_after_it(tmp_path, previous_
     with Cluster(tmp_path) as cluster:
         cluster.node(3).build = previous_build
         n1, n2, n3 = start_cluster(cluster, 3)
-        assert "up, protocol 12" in n1.log() and "up, protocol 13" in n1.log()
-        # n3 runs the previous engine too: it lacks a counter added since (taken_told).
+        assert "up, protocol 13" in n1.log() and "up, protocol 14" in n1.log()
+        # n3 runs the previous engine too: it lacks a counter added since (released_taken).
         probe = (
             "import fastbroker_core as c; "
-            "print(c.__file__, 'taken_told' in c.Engine().claim_stats())"
+            "print(c.__file__, 'released_taken' in c.Engine().replica_stats())"
         )
         old = subprocess.run(
             [sys.executable, "-c", probe],

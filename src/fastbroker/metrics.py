@@ -529,6 +529,13 @@ class BrokerCollector:
                 "Messages not delivered to a session here because its version on the sending "
                 "node took them while the two were cut off (the versions merge after)",
             ),
+            (
+                "cluster_released_taken",
+                "released_taken",
+                "QoS 2 messages that a version of their session giving way to the one here had "
+                "sent PUBREL for, taken in flight here under the same packet id (only the "
+                "PUBREL goes to the client again)",
+            ),
         ):
             yield counter(name, doc, copies[key])
         yield gauge(

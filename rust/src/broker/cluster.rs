@@ -28,12 +28,14 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use super::cluster_kept::{KEPT_END_PROTOCOL, TAKEN_IDS_PROTOCOL};
-use super::cluster_replicas::CopyOp;
+use super::cluster_replicas::{CopyOp, RELEASED_PROTOCOL};
 use super::cluster_retained::RetainedStamps;
 use super::router::{forwarded_props, Scope};
 use super::state::{Message, SessionId};
 use super::{ConnId, Engine};
-use crate::cluster::batch::{self, Batch, Header, Item, ItemWriter, Mark, Stamp, WireMessage};
+use crate::cluster::batch::{
+    self, Batch, Header, Item, ItemWriter, Mark, SessionMessageKind, Stamp, WireMessage,
+};
 use crate::codec::{self, Packet, QoS};
 use crate::store::{envelope, records};
 use crate::topics::{self, SubOpts, SubscriptionIndex};
@@ -1013,6 +1015,7 @@ impl Cluster {
     }
 
     /// A message for session `client_id`, which moved to peer `id` (see cluster_sessions).
+    /// What `kind` adds goes only to a peer that speaks it (else the message alone).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn queue_session_message(
         &mut self,
@@ -1022,7 +1025,7 @@ impl Cluster {
         qos: QoS,
         retain: bool,
         sub_ids: &[u32],
-        kept: bool,
+        kind: SessionMessageKind,
         now: u64,
     ) {
         let mut props = Vec::new();
@@ -1030,7 +1033,14 @@ impl Cluster {
             codec::encode_properties(p, &mut props).expect("routed properties encode");
         }
         let with_id = self.peer_ref(id).is_some_and(|p| p.protocol >= 5);
-        let kept = kept && self.peer_ref(id).is_some_and(|p| p.protocol >= 7);
+        let protocol = self.peer_ref(id).map_or(0, |p| p.protocol);
+        let kind = match kind {
+            SessionMessageKind::Kept if protocol < 7 => SessionMessageKind::Relayed,
+            SessionMessageKind::Released(_) if protocol < RELEASED_PROTOCOL => {
+                SessionMessageKind::Relayed
+            }
+            kind => kind,
+        };
         let mut message = Vec::new();
         // Not a retained write (that went to every node already): the delivery's retain
         // flag travels beside it.
@@ -1053,7 +1063,7 @@ impl Cluster {
         );
         let mut item = Vec::new();
         batch::encode_session_message(
-            client_id, qos as u8, retain, sub_ids, &message, kept, &mut item,
+            client_id, qos as u8, retain, sub_ids, &message, kind, &mut item,
         );
         if let Some(peer) = self.peer_mut(id) {
             peer.items.raw_item(&item);
@@ -1912,11 +1922,17 @@ impl Engine {
                     retain,
                     sub_ids,
                     kept,
+                    released,
                     ..
                 } => {
                     let msg = messages.next().expect("one per message item");
                     let msg = Arc::new(msg);
-                    self.relayed(id, client_id, msg, qos, retain, sub_ids, kept, now);
+                    let kind = match (kept, released) {
+                        (true, _) => SessionMessageKind::Kept,
+                        (_, Some(pkid)) => SessionMessageKind::Released(pkid),
+                        _ => SessionMessageKind::Relayed,
+                    };
+                    self.relayed(id, client_id, msg, qos, retain, sub_ids, kind, now);
                 }
                 Item::KeptAsk {
                     client_id,

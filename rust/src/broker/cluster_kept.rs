@@ -421,8 +421,16 @@ impl Engine {
     ) {
         self.claims.stats.kept_handed += kept.len() as u64;
         for (msg, qos, retain, sub_ids) in kept {
-            self.cluster
-                .queue_session_message(peer, client_id, &msg, qos, retain, &sub_ids, true, now);
+            self.cluster.queue_session_message(
+                peer,
+                client_id,
+                &msg,
+                qos,
+                retain,
+                &sub_ids,
+                batch::SessionMessageKind::Kept,
+                now,
+            );
         }
     }
 

@@ -42,10 +42,10 @@ use super::cluster_kept::{TAKEN_IDS_MAX, TAKEN_IDS_PROTOCOL};
 use super::cluster_sessions::FOUND_DOWN_MS;
 use super::cluster_streams::Streams;
 use super::router::Scope;
-use super::state::{Message, SessionId};
+use super::state::{AwaitingAck, ConnState, Delivery, Inflight, Message, SessionId};
 use super::Engine;
-use crate::cluster::batch::{Mark, Stamp};
-use crate::codec::QoS;
+use crate::cluster::batch::{Mark, SessionMessageKind, Stamp};
+use crate::codec::{Packet, QoS};
 use crate::store::envelope;
 use crate::store::records;
 use crate::store::wire::{Reader, Writer};
@@ -61,6 +61,10 @@ pub(super) struct CopyOp<'a> {
 
 /// This node in a partition's owner list (`cluster_set_map`).
 pub const THIS_NODE: PeerId = PeerId::MAX;
+
+/// From this protocol on, a version of a session that gives way hands the QoS 2 messages it
+/// sent PUBREL for over with their packet ids (`SessionMessageKind::Released`).
+pub(super) const RELEASED_PROTOCOL: u16 = 14;
 
 /// Who holds each partition, as the control plane computed it.
 struct SessionMap {
@@ -195,6 +199,9 @@ pub struct ReplicaStats {
     /// Messages from a peer not delivered to a session here because that peer's version
     /// of it took them while the two were cut off (`WireMessage::taken`).
     pub taken_elsewhere: u64,
+    /// QoS 2 messages released to the client by a version of its session that gave way to
+    /// the one here, taken in flight here under their packet id (`take_released`).
+    pub released_taken: u64,
 }
 
 #[derive(Default)]
@@ -894,20 +901,25 @@ impl Engine {
         // died may be missing from the copy the newer version was made from (its copy
         // operation was lost with the node, and the publisher's acknowledgement counted the
         // batch kept for this node). Those with an id only: the newer home takes each id
-        // once. QoS 2 ones past PUBREC too: a client that delivers a QoS 2 message on PUBREL
-        // (paho, libmosquitto) would never get the PUBREL of this version.
-        let own: Vec<(Arc<Message>, QoS, bool, Vec<u32>)> = self
+        // once. QoS 2 ones past PUBREC too, with their packet id: a client that delivers a
+        // QoS 2 message on PUBREL (paho, libmosquitto) either did, its PUBCOMP lost with the
+        // connection, or holds it for that PUBREL, which the newer version sends again
+        // (`take_released`).
+        let own: Vec<(Delivery, SessionMessageKind)> = self
             .session(sid)
             .map(|s| {
-                let flying = s.inflight.iter().map(|f| &f.delivery);
+                let flying = s.inflight.iter().map(|f| match f.state {
+                    AwaitingAck::PubComp => (&f.delivery, SessionMessageKind::Released(f.pkid)),
+                    _ => (&f.delivery, SessionMessageKind::Relayed),
+                });
                 flying
-                    .chain(s.queue.iter())
-                    .filter(|d| {
+                    .chain(s.queue.iter().map(|d| (d, SessionMessageKind::Relayed)))
+                    .filter(|(d, _)| {
                         let id = d.msg.id;
                         let taken = d.seq != 0 && taken_from != 0 && d.seq >= taken_from;
                         id != 0 && (!old || taken || told.contains(&id))
                     })
-                    .map(|d| (d.msg.clone(), d.qos, d.retain, d.sub_ids.clone()))
+                    .map(|(d, kind)| (d.clone(), kind))
                     .collect()
             })
             .unwrap_or_default();
@@ -931,18 +943,19 @@ impl Engine {
         let key = self.cluster.peer_key(to);
         self.replicas.installed.remove(&client);
         if self.cluster.peer_protocol(to) >= 5 {
-            for (msg, qos, retain, sub_ids) in own {
+            for (d, kind) in own {
+                let (msg, qos, retain) = (&d.msg, d.qos, d.retain);
                 self.cluster
-                    .queue_session_message(to, &client, &msg, qos, retain, &sub_ids, false, now);
+                    .queue_session_message(to, &client, msg, qos, retain, &d.sub_ids, kind, now);
             }
         }
         for h in held {
             if (h.from == Some(to) && h.from_home) || (h.plain && h.also.contains(&key)) {
                 continue;
             }
-            self.cluster.queue_session_message(
-                to, &client, &h.msg, h.qos, h.retain, &h.sub_ids, false, now,
-            );
+            let kind = SessionMessageKind::Relayed;
+            self.cluster
+                .queue_session_message(to, &client, &h.msg, h.qos, h.retain, &h.sub_ids, kind, now);
         }
         // What this version held has gone: the newer one may send on (it waits for this
         // once it skipped what this one took, `cluster_kept::wait_for_twin`).
@@ -956,6 +969,69 @@ impl Engine {
             client,
             format!("a newer version of the session lives on {home}: handed to it"),
         );
+    }
+
+    /// A QoS 2 message the version of session `sid` that gave way to this one had sent
+    /// PUBREL for under `pkid` (`give_up`). Its client passed it on already (and the PUBCOMP
+    /// was lost with the connection) or holds it for that PUBREL: either way it takes the
+    /// PUBREL, not the message again. So it is taken in flight here under the same id, and
+    /// the PUBREL goes out now or at the next resume. False where this version uses that id
+    /// or the client's window here is full: the caller then delivers it as a new message,
+    /// which such a client may pass on twice, rather than risk that it never does.
+    pub(super) fn take_released(
+        &mut self,
+        sid: SessionId,
+        msg: &Arc<Message>,
+        retain: bool,
+        sub_ids: &[u32],
+        pkid: u16,
+        now: u64,
+    ) -> bool {
+        let Some(session) = self.session(sid) else {
+            return false;
+        };
+        let conn = session
+            .conn
+            .and_then(|c| self.conn(c).map(|conn| (c, conn)))
+            .filter(|(_, conn)| conn.state == ConnState::Active);
+        if let Some((_, conn)) = conn {
+            let cap = usize::from(conn.client_receive_max.min(self.cfg.max_inflight));
+            if session.inflight.len() >= cap {
+                return false;
+            }
+        }
+        if session.inflight.iter().any(|f| f.pkid == pkid) {
+            return false;
+        }
+        let conn = conn.map(|(c, _)| c);
+        if msg.id != 0 && self.seen_since_move(sid, msg.id, now) {
+            // This version delivered it already.
+            return true;
+        }
+        self.replicas.stats.released_taken += 1;
+        let mut d = Delivery {
+            msg: msg.clone(),
+            qos: QoS::ExactlyOnce,
+            retain,
+            sub_ids: sub_ids.to_vec(),
+            seq: 0,
+        };
+        let mark = self.replicas.waits.len();
+        let from = conn.and_then(|c| self.conn(c)).map_or(0, |c| c.out.len());
+        self.store_delivery(sid, &mut d, now);
+        self.store_flight(sid, d.seq, pkid, AwaitingAck::PubComp);
+        self.session_mut(sid)
+            .expect("checked")
+            .push_inflight(Inflight {
+                pkid,
+                state: AwaitingAck::PubComp,
+                delivery: d,
+            });
+        if let Some(c) = conn {
+            self.send(c, &Packet::PubRel(Engine::ack(pkid, 0)));
+            self.gate_output(c, from, mark);
+        }
+        true
     }
 
     /// Peer `peer`'s link is up (its protocol known): the sessions restored here that wait

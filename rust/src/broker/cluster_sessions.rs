@@ -63,7 +63,7 @@ use super::connect::PendingConnect;
 use super::router::Scope;
 use super::state::{ConnState, Delivery, Message, SessionId};
 use super::{ConnId, Engine};
-use crate::cluster::batch::{Mark, Stamp};
+use crate::cluster::batch::{Mark, SessionMessageKind, Stamp};
 use crate::codec::QoS;
 
 /// How long a claim waits at least for a peer whose link is up but that does not answer;
@@ -1427,8 +1427,16 @@ impl Engine {
             return false;
         }
         self.claims.stats.relayed += 1;
-        self.cluster
-            .queue_session_message(peer, &client_id, msg, qos, retain, &sub_ids, false, now);
+        self.cluster.queue_session_message(
+            peer,
+            &client_id,
+            msg,
+            qos,
+            retain,
+            &sub_ids,
+            SessionMessageKind::Relayed,
+            now,
+        );
         if qos != QoS::AtMostOnce {
             // Kept on disk with the write that acknowledges it to its sender.
             self.cluster.seal_for(peer);
@@ -1437,8 +1445,9 @@ impl Engine {
         true
     }
 
-    /// A message relayed to session `client_id`, which moved here (`kept`: one another node
-    /// kept for its dead home, see `cluster_kept`).
+    /// A message relayed to session `client_id`, which moved here (`Kept`: one another node
+    /// kept for its dead home, see `cluster_kept`; `Released`: one another version of the
+    /// session had sent PUBREL for as it gave way, `cluster_replicas::take_released`).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn relayed(
         &mut self,
@@ -1448,7 +1457,7 @@ impl Engine {
         qos: u8,
         retain: bool,
         sub_ids: Vec<u32>,
-        kept: bool,
+        kind: SessionMessageKind,
         now: u64,
     ) {
         let qos = match qos {
@@ -1466,7 +1475,7 @@ impl Engine {
                 // where the session went next, so the chain ends where it is).
                 self.claims.stats.relayed += 1;
                 self.cluster
-                    .queue_session_message(peer, client_id, &msg, qos, retain, &sub_ids, kept, now);
+                    .queue_session_message(peer, client_id, &msg, qos, retain, &sub_ids, kind, now);
                 if qos != QoS::AtMostOnce {
                     self.cluster.seal_for(peer);
                     self.store_outgoing(peer);
@@ -1485,8 +1494,14 @@ impl Engine {
         if self.twin_took(sid, id, key, now) {
             return;
         }
+        if let SessionMessageKind::Released(pkid) = kind {
+            if qos == QoS::ExactlyOnce && self.take_released(sid, &msg, retain, &sub_ids, pkid, now)
+            {
+                return;
+            }
+        }
         self.deliver(sid, &msg, qos, retain, sub_ids, now);
-        if kept {
+        if kind == SessionMessageKind::Kept {
             self.note_kept(sid, id);
         }
     }

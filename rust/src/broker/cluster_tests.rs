@@ -1398,7 +1398,7 @@ fn connect_on(n: &mut Nodes, i: usize, c: crate::codec::Connect) -> crate::broke
 }
 
 /// The protocol version nodes of this build speak (`transport.PROTOCOL_MAX`).
-const LATEST: u16 = 13;
+const LATEST: u16 = 14;
 
 fn protocol(n: &mut Nodes, version: u16) {
     for i in 0..n.h.len() {
@@ -4497,16 +4497,33 @@ fn what_a_cut_off_home_delivered_is_not_relayed_to_where_the_version_made_from_i
     assert_eq!(n.h[1].e.session_held("dev"), None);
 }
 
+/// How far dev's QoS 2 flows of "m1" and "m2" got on node 0 (`dev_split_as_qos2_goes_out`).
+#[derive(Clone, Copy, PartialEq)]
+enum Flows {
+    /// Its connection was gone first: they wait there.
+    NotSent,
+    /// Node 0 got the PUBRECs and sent PUBREL; the connection went before the PUBCOMPs.
+    Released,
+    /// Completed.
+    Completed,
+}
+
 /// Node 0 homes "dev" (QoS 2) and its publisher; the split begins silently (frames lost,
 /// links up) just as "m1" and "m2" go out, before node 0 counts its peers as lagging
-/// (`LAGGING_MS`); then the links are found down. With `delivered`, dev gets both on node 0
-/// and completes their QoS 2 flows there; else its connection is gone first and they wait
-/// there. Dev lands on node 1, which resumes it from its copy (which never got them), and
-/// the split heals `later_ms` after. Returns node 1's dev connection and other subscriber.
+/// (`LAGGING_MS`); then the links are found down. Dev gets both on node 0 as far as `flows`
+/// says. Dev lands on node 1, which resumes it from its copy (which never got them), and
+/// the split heals `later_ms` after. Returns node 1's dev connection and other subscriber,
+/// and the packet ids dev got "m1" and "m2" under on node 0.
 fn dev_split_as_qos2_goes_out(
-    delivered: bool,
+    flows: Flows,
     later_ms: u64,
-) -> (Nodes, crate::broker::ConnId, crate::broker::ConnId) {
+) -> (
+    Nodes,
+    crate::broker::ConnId,
+    crate::broker::ConnId,
+    Vec<u16>,
+) {
+    let delivered = flows != Flows::NotSent;
     let (mut n, mut disks, dev, other, publisher) = dev_other_and_publisher(QoS::ExactlyOnce);
     if !delivered {
         let now = n.h[0].now;
@@ -4525,6 +4542,7 @@ fn dev_split_as_qos2_goes_out(
     n.cut_link(0, 1);
     n.cut_link(0, 2);
     let mut got_on_0 = Vec::new();
+    let mut pkids = Vec::new();
     for _ in 0..5 {
         let now = n.h[0].now + 100;
         n.h[0].now = now;
@@ -4545,8 +4563,11 @@ fn dev_split_as_qos2_goes_out(
             settle_and_sync(&mut n, &mut disks);
             let rel = n.h[0].recv_one(dev);
             assert!(matches!(rel.as_slice(), [Packet::PubRel(_)]), "{rel:?}");
-            n.h[0].send(dev, Packet::PubComp(ack(p.pkid)));
-            settle_and_sync(&mut n, &mut disks);
+            pkids.push(p.pkid);
+            if flows == Flows::Completed {
+                n.h[0].send(dev, Packet::PubComp(ack(p.pkid)));
+                settle_and_sync(&mut n, &mut disks);
+            }
         }
     }
     if delivered {
@@ -4567,7 +4588,7 @@ fn dev_split_as_qos2_goes_out(
     n.heal_link(0, 1);
     n.heal_link(0, 2);
     settle_and_sync(&mut n, &mut disks);
-    (n, back, other)
+    (n, back, other, pkids)
 }
 
 #[test]
@@ -4576,7 +4597,7 @@ fn qos2_a_cut_off_home_delivered_as_the_split_began_is_not_delivered_again_after
     // 100 ms went to the other side unlisted and were delivered again there by the version
     // made from the copy. A QoS 2 delivery is now listed whether or not a peer lags.
     for later_ms in [0, 25_000] {
-        let (mut n, back, other) = dev_split_as_qos2_goes_out(true, later_ms);
+        let (mut n, back, other, _) = dev_split_as_qos2_goes_out(Flows::Completed, later_ms);
         let got = n.h[1].recv();
         assert!(
             payloads(got.get(&back).map_or(&[][..], |g| g)).is_empty(),
@@ -4594,10 +4615,53 @@ fn qos2_a_cut_off_home_kept_as_the_split_began_is_handed_over_however_long_the_s
     // them; node 0 hands them over also past `OWN_RELAY_MS`, because a lagging peer makes
     // the recent listings count as taken from there on (`promote_listed`).
     for later_ms in [0, 25_000] {
-        let (mut n, back, _) = dev_split_as_qos2_goes_out(false, later_ms);
+        let (mut n, back, _, _) = dev_split_as_qos2_goes_out(Flows::NotSent, later_ms);
         let got = n.h[1].recv_one(back);
         assert_eq!(payloads(&got), ["m1", "m2"], "{later_ms}");
         assert_eq!(n.h[0].e.session_held("dev"), None);
+    }
+}
+
+#[test]
+fn qos2_a_cut_off_home_released_as_its_client_left_is_released_again_not_sent_again() {
+    // Seen in the fault-injection run (seeds 6 and 7, one duplicate each): the client got
+    // the PUBREL on the cut-off node, passed the message on (paho does on PUBREL) and moved
+    // before its PUBCOMP went out; that version handed the message over after the heal and
+    // the newer one sent it as a new one. Now it hands over the packet id too, and the newer
+    // version sends the PUBREL again: a client that did not get it delivers then.
+    for later_ms in [0, 25_000] {
+        let (mut n, back, other, pkids) = dev_split_as_qos2_goes_out(Flows::Released, later_ms);
+        assert_eq!(pkids.len(), 2);
+        let got = n.h[1].recv();
+        let rels: Vec<u16> = got[&back]
+            .iter()
+            .map(|p| match p {
+                Packet::PubRel(a) => a.pkid,
+                other => panic!("not a PUBREL: {other:?} ({later_ms})"),
+            })
+            .collect();
+        assert_eq!(rels, pkids, "{later_ms}");
+        assert_eq!(payloads(&got[&other]), ["m1", "m2"], "{later_ms}");
+        assert_eq!(n.h[1].e.replica_stats().released_taken, 2);
+        for pkid in pkids {
+            let comp = crate::codec::Ack {
+                pkid,
+                reason_code: 0,
+                properties: None,
+            };
+            n.h[1].send(back, Packet::PubComp(comp));
+        }
+        assert!(n.h[1].recv_one(back).is_empty());
+        assert_eq!(n.h[0].e.session_held("dev"), None);
+        assert_eq!(n.h[1].e.session_held("dev"), Some(true));
+        // Done with: a resume sends nothing again.
+        let now = n.h[1].now;
+        n.h[1].e.closed(back, now);
+        let again = n.h[1].open_connect(persistent_v5("dev"));
+        n.settle();
+        let got = n.h[1].recv_one(again);
+        assert!(connack(&got).session_present, "{got:?}");
+        assert_eq!(got.len(), 1, "{got:?}");
     }
 }
 

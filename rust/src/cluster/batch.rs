@@ -79,6 +79,8 @@ const ITEM_CLAIM_ROUTED: u8 = 29;
 const ITEM_KEPT_END: u8 = 30;
 /// Protocol 13.
 const ITEM_TAKEN_IDS: u8 = 31;
+/// Protocol 14.
+const ITEM_RELEASED_MESSAGE: u8 = 32;
 /// `Homes` flags.
 const HOMES_FIRST: u8 = 1;
 const HOMES_LAST: u8 = 2;
@@ -202,6 +204,11 @@ pub enum Item<'a> {
     /// `kept` (protocol 7): the answer to a `KeptAsk`, a message the sender had kept for
     /// the session's dead home: the receiver remembers its id as long as that home may
     /// still come back and send it on.
+    ///
+    /// `released` (protocol 14): a QoS 2 message the sender's version of the session had
+    /// sent PUBREL for (this packet id) when it gave way to the receiver's: the client may
+    /// have delivered it already, so the receiver sends that PUBREL again, not the message,
+    /// where the packet id is free in its version.
     SessionMessage {
         client_id: &'a str,
         qos: u8,
@@ -209,6 +216,7 @@ pub enum Item<'a> {
         sub_ids: Vec<u32>,
         message: WireMessage<'a>,
         kept: bool,
+        released: Option<u16>,
     },
     /// The sender installed session `client_id` from a copy: its home (node key `home`) is
     /// down. The receiver sends it, as kept `SessionMessage`s, what it keeps for that home
@@ -800,29 +808,39 @@ pub fn encode_message(m: &WireMessage<'_>, out: &mut Vec<u8>) {
     *out = w.buf;
 }
 
+/// What a [`Item::SessionMessage`] is besides a message for the session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SessionMessageKind {
+    Relayed,
+    /// An answer to a `KeptAsk` (protocol 7).
+    Kept,
+    /// Released to the client under this packet id (protocol 14).
+    Released(u16),
+}
+
 /// A [`Item::SessionMessage`]: `message` is an item made by [`encode_message`].
-/// `kept`: an answer to a `KeptAsk` (protocol 7).
 pub fn encode_session_message(
     client_id: &str,
     qos: u8,
     retain: bool,
     sub_ids: &[u32],
     message: &[u8],
-    kept: bool,
+    kind: SessionMessageKind,
     out: &mut Vec<u8>,
 ) {
     let mut w = Writer {
         buf: std::mem::take(out),
     };
-    w.u8(if kept {
-        ITEM_KEPT_MESSAGE
-    } else {
-        ITEM_SESSION_MESSAGE
+    w.u8(match kind {
+        SessionMessageKind::Relayed => ITEM_SESSION_MESSAGE,
+        SessionMessageKind::Kept => ITEM_KEPT_MESSAGE,
+        SessionMessageKind::Released(_) => ITEM_RELEASED_MESSAGE,
     })
-    .bytes(client_id.as_bytes())
-    .u8(qos)
-    .u8(u8::from(retain))
-    .u32(sub_ids.len() as u32);
+    .bytes(client_id.as_bytes());
+    if let SessionMessageKind::Released(pkid) = kind {
+        w.u16(pkid);
+    }
+    w.u8(qos).u8(u8::from(retain)).u32(sub_ids.len() as u32);
     for &id in sub_ids {
         w.u32(id);
     }
@@ -1162,8 +1180,16 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
             }
         }
         ITEM_APPLIED => Item::Applied(read_mark(r)?),
-        ITEM_SESSION_MESSAGE | ITEM_KEPT_MESSAGE => {
+        ITEM_SESSION_MESSAGE | ITEM_KEPT_MESSAGE | ITEM_RELEASED_MESSAGE => {
             let client_id = client_id(r.bytes()?)?;
+            let released = if kind == ITEM_RELEASED_MESSAGE {
+                Some(r.u16()?).filter(|&p| p != 0)
+            } else {
+                None
+            };
+            if kind == ITEM_RELEASED_MESSAGE && released.is_none() {
+                return Err(BatchError("released message with packet id 0".into()));
+            }
             let qos = r.u8()?;
             let retain = r.u8()?;
             if qos > 2 || retain > 1 {
@@ -1186,6 +1212,7 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
                 sub_ids,
                 message,
                 kept: kind == ITEM_KEPT_MESSAGE,
+                released,
             }
         }
         tag => return Err(BatchError(format!("unknown batch item 0x{tag:02x}"))),
@@ -1394,9 +1421,14 @@ mod tests {
         ];
         w.kept_ask("dev-5", 99, true, None, &subs);
         w.kept_ask("dev-5", 99, false, Some((7, 8)), &subs);
-        for kept in [false, true] {
+        let kinds = [
+            SessionMessageKind::Relayed,
+            SessionMessageKind::Kept,
+            SessionMessageKind::Released(513),
+        ];
+        for kind in kinds {
             let mut item = Vec::new();
-            encode_session_message("dev-5", 1, true, &[3, 4], &m, kept, &mut item);
+            encode_session_message("dev-5", 1, true, &[3, 4], &m, kind, &mut item);
             w.raw_item(&item);
         }
         let header = Header {
@@ -1569,14 +1601,19 @@ mod tests {
                 },
             ]
             .into_iter()
-            .chain([false, true].map(|kept| Item::SessionMessage {
-                client_id: "dev-5",
-                qos: 1,
-                retain: true,
-                sub_ids: vec![3, 4],
-                message: message(b"t/1", b"hello"),
-                kept,
-            }))
+            .chain(
+                [(false, None), (true, None), (false, Some(513))].map(|(kept, released)| {
+                    Item::SessionMessage {
+                        client_id: "dev-5",
+                        qos: 1,
+                        retain: true,
+                        sub_ids: vec![3, 4],
+                        message: message(b"t/1", b"hello"),
+                        kept,
+                        released,
+                    }
+                })
+            )
             .collect::<Vec<_>>()
         );
         assert!(w.is_empty());

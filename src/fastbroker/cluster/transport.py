@@ -85,11 +85,14 @@ MAGIC = "fastbroker-cluster"
 # link comes back first tells the peer, for each session that moved to it lately, the
 # session's version and what it delivered (TakenIds, ahead of the batches that waited), so
 # the peer's version of such a session, made while the two were cut off, does not deliver
-# those again, and the older of the two versions gives way to the newer.
+# those again, and the older of the two versions gives way to the newer. Version 14: a
+# version of a session that gives way hands over the QoS 2 messages it sent PUBREL for
+# with their packet ids (a released SessionMessage), and the newer version sends the PUBREL
+# again rather than the message.
 # HELLO's optional "cluster_id" (ignored by nodes that do not send it) refuses links between
 # nodes of different clusters, whatever the version.
 PROTOCOL_MIN = 2
-PROTOCOL_MAX = 13
+PROTOCOL_MAX = 14
 
 CONTROL = "control"
 DATA_CHANNEL = "data"
