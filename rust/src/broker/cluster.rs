@@ -2041,6 +2041,7 @@ impl Engine {
                 }
             }
         }
+        self.deliver_released_later(now);
         if h.seq != 0 && !self.replicas.copied_to.is_empty() {
             let mark = Mark {
                 node: self.cluster.peer_key(id),

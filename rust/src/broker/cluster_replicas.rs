@@ -219,6 +219,9 @@ pub(super) struct Replicas {
     /// The (peer, batch) pairs copies of the publish being handled went in: its
     /// acknowledgement waits for them.
     pub(super) waits: Vec<(PeerId, u64)>,
+    /// Released messages this batch brought that `take_released` could not take by their
+    /// packet id: delivered as new ones once the batch is in (`deliver_released_later`).
+    released_later: Vec<(SessionId, Delivery)>,
     /// The publish being handled was copied to no owner that is up.
     pub(super) degraded: bool,
     /// Down peers whose sessions were looked at for a takeover (until their link is up).
@@ -975,9 +978,10 @@ impl Engine {
     /// PUBREL for under `pkid` (`give_up`). Its client passed it on already (and the PUBCOMP
     /// was lost with the connection) or holds it for that PUBREL: either way it takes the
     /// PUBREL, not the message again. So it is taken in flight here under the same id, and
-    /// the PUBREL goes out now or at the next resume. False where this version uses that id
-    /// or the client's window here is full: the caller then delivers it as a new message,
-    /// which such a client may pass on twice, rather than risk that it never does.
+    /// the PUBREL goes out now or at the next resume. Where this version uses that id (the
+    /// client got another message under it here, and holds that one now) or the client's
+    /// window here is full, it goes as a new message once the batch is in: a client that
+    /// passed it on may do so twice, rather than one that did not never do.
     pub(super) fn take_released(
         &mut self,
         sid: SessionId,
@@ -986,27 +990,35 @@ impl Engine {
         sub_ids: &[u32],
         pkid: u16,
         now: u64,
-    ) -> bool {
+    ) {
         let Some(session) = self.session(sid) else {
-            return false;
+            return;
         };
         let conn = session
             .conn
             .and_then(|c| self.conn(c).map(|conn| (c, conn)))
             .filter(|(_, conn)| conn.state == ConnState::Active);
-        if let Some((_, conn)) = conn {
+        let full = conn.is_some_and(|(_, conn)| {
             let cap = usize::from(conn.client_receive_max.min(self.cfg.max_inflight));
-            if session.inflight.len() >= cap {
-                return false;
-            }
-        }
-        if session.inflight.iter().any(|f| f.pkid == pkid) {
-            return false;
+            session.inflight.len() >= cap
+        });
+        if full || session.inflight.iter().any(|f| f.pkid == pkid) {
+            // After the batch's other released messages: sent now, it would take an id
+            // one of those needs.
+            let d = Delivery {
+                msg: msg.clone(),
+                qos: QoS::ExactlyOnce,
+                retain,
+                sub_ids: sub_ids.to_vec(),
+                seq: 0,
+            };
+            self.replicas.released_later.push((sid, d));
+            return;
         }
         let conn = conn.map(|(c, _)| c);
         if msg.id != 0 && self.seen_since_move(sid, msg.id, now) {
             // This version delivered it already.
-            return true;
+            return;
         }
         self.replicas.stats.released_taken += 1;
         let mut d = Delivery {
@@ -1031,7 +1043,13 @@ impl Engine {
             self.send(c, &Packet::PubRel(Engine::ack(pkid, 0)));
             self.gate_output(c, from, mark);
         }
-        true
+    }
+
+    /// What `take_released` put off, delivered as new messages.
+    pub(super) fn deliver_released_later(&mut self, now: u64) {
+        for (sid, d) in std::mem::take(&mut self.replicas.released_later) {
+            self.deliver(sid, &d.msg, d.qos, d.retain, d.sub_ids, now);
+        }
     }
 
     /// Peer `peer`'s link is up (its protocol known): the sessions restored here that wait

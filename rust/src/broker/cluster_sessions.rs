@@ -1494,11 +1494,9 @@ impl Engine {
         if self.twin_took(sid, id, key, now) {
             return;
         }
-        if let SessionMessageKind::Released(pkid) = kind {
-            if qos == QoS::ExactlyOnce && self.take_released(sid, &msg, retain, &sub_ids, pkid, now)
-            {
-                return;
-            }
+        if let (SessionMessageKind::Released(pkid), QoS::ExactlyOnce) = (kind, qos) {
+            self.take_released(sid, &msg, retain, &sub_ids, pkid, now);
+            return;
         }
         self.deliver(sid, &msg, qos, retain, sub_ids, now);
         if kind == SessionMessageKind::Kept {
