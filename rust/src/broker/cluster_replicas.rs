@@ -980,7 +980,8 @@ impl Engine {
     /// PUBREL, not the message again. So it is taken in flight here under the same id, and
     /// the PUBREL goes out now or at the next resume. Where this version uses that id (the
     /// client got another message under it here, and holds that one now) or the client's
-    /// window here is full, it goes as a new message once the batch is in: a client that
+    /// window here is full, it goes as a new message once the batch is in, and so does what
+    /// follows it for the session in the batch (`put_off_after_released`): a client that
     /// passed it on may do so twice, rather than one that did not never do.
     pub(super) fn take_released(
         &mut self,
@@ -1003,8 +1004,8 @@ impl Engine {
             session.inflight.len() >= cap
         });
         if full || session.inflight.iter().any(|f| f.pkid == pkid) {
-            // After the batch's other released messages: sent now, it would take an id
-            // one of those needs.
+            // Once the batch is in, with what comes after it for the session: sent now, it
+            // would take an id a later released message needs.
             let d = Delivery {
                 msg: msg.clone(),
                 qos: QoS::ExactlyOnce,
@@ -1043,6 +1044,33 @@ impl Engine {
             self.send(c, &Packet::PubRel(Engine::ack(pkid, 0)));
             self.gate_output(c, from, mark);
         }
+    }
+
+    /// Once `take_released` put a message of session `sid` off, what comes for it after in
+    /// the same batch (the rest of a hand-over) is put off too, to keep its order: true if
+    /// this one was. A released one then goes as a new message as well.
+    pub(super) fn put_off_after_released(
+        &mut self,
+        sid: SessionId,
+        msg: &Arc<Message>,
+        qos: QoS,
+        retain: bool,
+        sub_ids: &[u32],
+        kind: SessionMessageKind,
+    ) -> bool {
+        let later = &mut self.replicas.released_later;
+        if kind == SessionMessageKind::Kept || !later.iter().any(|(s, _)| *s == sid) {
+            return false;
+        }
+        let d = Delivery {
+            msg: msg.clone(),
+            qos,
+            retain,
+            sub_ids: sub_ids.to_vec(),
+            seq: 0,
+        };
+        later.push((sid, d));
+        true
     }
 
     /// What `take_released` put off, delivered as new messages.

@@ -1494,6 +1494,9 @@ impl Engine {
         if self.twin_took(sid, id, key, now) {
             return;
         }
+        if self.put_off_after_released(sid, &msg, qos, retain, &sub_ids, kind) {
+            return;
+        }
         if let (SessionMessageKind::Released(pkid), QoS::ExactlyOnce) = (kind, qos) {
             self.take_released(sid, &msg, retain, &sub_ids, pkid, now);
             return;
