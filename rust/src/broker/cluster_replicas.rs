@@ -1003,16 +1003,17 @@ impl Engine {
             let cap = usize::from(conn.client_receive_max.min(self.cfg.max_inflight));
             session.inflight.len() >= cap
         });
-        if full || session.inflight.iter().any(|f| f.pkid == pkid) {
+        let busy = full || session.inflight.iter().any(|f| f.pkid == pkid);
+        let mut d = Delivery {
+            msg: msg.clone(),
+            qos: QoS::ExactlyOnce,
+            retain,
+            sub_ids: sub_ids.to_vec(),
+            seq: 0,
+        };
+        if busy {
             // Once the batch is in, with what comes after it for the session: sent now, it
             // would take an id a later released message needs.
-            let d = Delivery {
-                msg: msg.clone(),
-                qos: QoS::ExactlyOnce,
-                retain,
-                sub_ids: sub_ids.to_vec(),
-                seq: 0,
-            };
             self.replicas.released_later.push((sid, d));
             return;
         }
@@ -1022,13 +1023,6 @@ impl Engine {
             return;
         }
         self.replicas.stats.released_taken += 1;
-        let mut d = Delivery {
-            msg: msg.clone(),
-            qos: QoS::ExactlyOnce,
-            retain,
-            sub_ids: sub_ids.to_vec(),
-            seq: 0,
-        };
         let mark = self.replicas.waits.len();
         let from = conn.and_then(|c| self.conn(c)).map_or(0, |c| c.out.len());
         self.store_delivery(sid, &mut d, now);
