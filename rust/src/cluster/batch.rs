@@ -1766,5 +1766,64 @@ mod tests {
             prop_assert_eq!(batch.header, header);
             prop_assert_eq!(batch.items().unwrap(), vec![Item::Message(m)]);
         }
+
+        #[test]
+        fn session_messages_round_trip(
+            client in "[a-z0-9/ü-]{0,24}",
+            qos in 0u8..3,
+            retain: bool,
+            sub_ids in proptest::collection::vec(any::<u32>(), 0..4),
+            kind in 0u8..3,
+            pkid in 1u16..,
+        ) {
+            let kind = match kind {
+                0 => SessionMessageKind::Relayed,
+                1 => SessionMessageKind::Kept,
+                _ => SessionMessageKind::Released(pkid),
+            };
+            let m = message(b"t/1", b"hello");
+            let mut encoded = Vec::new();
+            encode_message(&m, &mut encoded);
+            let mut item = Vec::new();
+            encode_session_message(&client, qos, retain, &sub_ids, &encoded, kind, &mut item);
+            let mut w = ItemWriter::default();
+            w.raw_item(&item);
+            let header = Header { epoch: 5, seq: 1, ack_epoch: 0, ack_seq: 0 };
+            let body = body_of(&w.finish(header));
+            let batch = Batch::decode(&body).unwrap();
+            let released = match kind {
+                SessionMessageKind::Released(p) => Some(p),
+                _ => None,
+            };
+            prop_assert_eq!(batch.items().unwrap(), vec![Item::SessionMessage {
+                client_id: &client,
+                qos,
+                retain,
+                sub_ids: sub_ids.clone(),
+                message: m,
+                kept: kind == SessionMessageKind::Kept,
+                released,
+            }]);
+        }
+    }
+
+    #[test]
+    fn a_released_message_under_packet_id_0_is_refused() {
+        let m = message(b"t/1", b"x");
+        let mut encoded = Vec::new();
+        encode_message(&m, &mut encoded);
+        let mut item = Vec::new();
+        let kind = SessionMessageKind::Released(0);
+        encode_session_message("dev", 2, false, &[], &encoded, kind, &mut item);
+        let mut w = ItemWriter::default();
+        w.raw_item(&item);
+        let header = Header {
+            epoch: 5,
+            seq: 1,
+            ack_epoch: 0,
+            ack_seq: 0,
+        };
+        let body = body_of(&w.finish(header));
+        assert!(Batch::decode(&body).unwrap().items().is_err());
     }
 }
