@@ -427,6 +427,51 @@ def test_a_data_link_that_goes_silent_is_dialled_again_while_its_control_link_st
     run(main())
 
 
+def test_a_silent_data_link_with_a_full_write_buffer_is_redialled_at_once():
+    """Found by the fault suite (one heal in about 100): a data link found silent in a split
+    while it still had batches buffered was closed, but a close waits for the buffer to
+    drain before the link counts as lost, so it stayed registered and was not redialled
+    until the peer's RST after the heal, 5 s later. Here the peer stops reading, so the
+    buffer never drains; the silent link is aborted and dialled again at once."""
+
+    async def main() -> None:
+        data_ups: list[str] = []
+        data_downs: list[str] = []
+        a = await Peer("a", on_data_up=data_ups.append, on_data_down=data_downs.append).listen()
+        b = await Peer("b").listen()
+        a.dial(b)
+        await until(lambda: a.ups == ["b"] and b.ups == ["a"])
+
+        async def ticks(seconds: float, done) -> None:
+            end = asyncio.get_running_loop().time() + seconds
+            while asyncio.get_running_loop().time() < end and not done():
+                a.transport.maintain()
+                b.transport.maintain()
+                await asyncio.sleep(0.05)
+
+        await ticks(3.0, lambda: data_ups == ["b"])
+        assert data_ups == ["b"]
+        b.transport.data_links["a"].transport.pause_reading()
+        link = a.transport.data_links["b"]
+        chunk = b"x" * 65536
+        for _ in range(400):
+            link.send_now(tr.DATA_KEEPALIVE, chunk)
+            if link.transport.get_write_buffer_size() > 0:
+                break
+            await asyncio.sleep(0)
+        assert link.transport.get_write_buffer_size() > 0
+        a.transport.idle_timeout_s = 60.0
+        link.last_received -= 120.0
+        started = asyncio.get_running_loop().time()
+        await ticks(2.0, lambda: len(data_ups) == 2)
+        assert data_downs == ["b"] and data_ups == ["b", "b"]
+        assert asyncio.get_running_loop().time() - started < 1.5
+        for p in (a, b):
+            await p.transport.close()
+
+    run(main())
+
+
 def test_a_data_dial_left_hanging_by_a_split_does_not_hold_up_the_data_link_once_back():
     """Found by the fault suite: a data link found silent 50 ms before its control link was
     dialled again in that gap, and the dial's SYNs were dropped by the split; the control

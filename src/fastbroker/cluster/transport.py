@@ -229,6 +229,8 @@ class Link(asyncio.Protocol):
         self.version: int | None = None
         self.up = False
         self.closed = False
+        # connection_lost came (a close waits for the write buffer to drain first).
+        self.lost = False
         self.pending: list[bytes] = []
         self.flush_scheduled = False
         self.dropped_frames = 0
@@ -316,6 +318,7 @@ class Link(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.lost = True
         self.uncount()
         if self.handshake_timer is not None:
             self.handshake_timer.cancel()
@@ -492,15 +495,27 @@ class Link(asyncio.Protocol):
     def fail(self, why: str) -> None:
         self.close(why, level=logging.WARNING)
 
-    def close(self, why: str, level: int = logging.INFO) -> None:
+    def close(self, why: str, level: int = logging.INFO, *, abort: bool = False) -> None:
+        """Closes the link; `abort` (a peer gone silent) drops what is still buffered, also
+        for a link closed before whose buffer has not drained."""
         if self.closed:
+            if abort and self.transport is not None and not self.lost:
+                self.transport.abort()
             return
         self.closed = True
         peer = self.peer_id or (format_address(self.dialled) if self.dialled else "?")
         logger.log(level, "link to %s closed: %s", peer, why)
-        if self.transport is not None:
-            self.flush()
-            self.transport.close()
+        if self.transport is None:
+            return
+        if abort:
+            # A close waits for the write buffer to drain before the link counts as lost,
+            # and a split leaves it full: the link would stay registered (and a data link
+            # not redialled) until the peer's RST after the heal, seconds later. What was
+            # buffered is resent from the engine's unacknowledged batches.
+            self.transport.abort()
+            return
+        self.flush()
+        self.transport.close()
 
 
 class Transport:
@@ -610,7 +625,7 @@ class Transport:
             # Control links: the node's pings keep them busy.
             for link in list(self.links.values()):
                 if now - link.last_received > self.idle_timeout_s:
-                    link.close(idle, level=logging.WARNING)
+                    link.close(idle, level=logging.WARNING, abort=True)
             # Data links: their batches or, when idle, keepalives (a version 2 peer sends
             # none; its data link goes down with its control link).
             keepalive_s = self.idle_timeout_s / 4
@@ -618,7 +633,7 @@ class Transport:
                 if link.version is None or link.version < 3:
                     continue
                 if now - link.last_received > self.idle_timeout_s:
-                    link.close(f"data link: {idle}", level=logging.WARNING)
+                    link.close(f"data link: {idle}", level=logging.WARNING, abort=True)
                 elif now - link.keepalive_at >= keepalive_s:
                     if link.bytes_out == link.keepalive_bytes:
                         link.send_now(DATA_KEEPALIVE, None)
@@ -778,7 +793,7 @@ class Transport:
                 logger.info("link to %s down", peer)
             data = self.data_links.get(peer)
             if data is not None:
-                data.close("control link down", level=logging.DEBUG)
+                data.close("control link down", level=logging.DEBUG, abort=True)
             # A dial of the data link still waiting (its peer went silent as the dial began:
             # a split) would hold up the next one, once the control link is back, until its
             # timeout: the new one goes at once.
