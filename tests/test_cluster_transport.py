@@ -427,6 +427,33 @@ def test_a_data_link_that_goes_silent_is_dialled_again_while_its_control_link_st
     run(main())
 
 
+async def ticks(a: Peer, b: Peer, seconds: float, done) -> None:
+    """Both transports' ticks every 50 ms, for `seconds` or until `done()`."""
+    end = asyncio.get_running_loop().time() + seconds
+    while asyncio.get_running_loop().time() < end and not done():
+        a.transport.maintain()
+        b.transport.maintain()
+        await asyncio.sleep(0.05)
+
+
+async def linked_with_data(**a_kw: Any) -> tuple[Peer, Peer]:
+    """Peers "a" (with `a_kw`) and "b", their control link up and a's data link up once."""
+    ups: list[str] = []
+    on_data_up = a_kw.pop("on_data_up")
+
+    def up(peer: str) -> None:
+        ups.append(peer)
+        on_data_up(peer)
+
+    a = await Peer("a", on_data_up=up, **a_kw).listen()
+    b = await Peer("b").listen()
+    a.dial(b)
+    await until(lambda: a.ups == ["b"] and b.ups == ["a"])
+    await ticks(a, b, 3.0, lambda: ups == ["b"])
+    assert ups == ["b"]
+    return a, b
+
+
 def test_a_silent_data_link_with_a_full_write_buffer_is_redialled_at_once():
     """Found by the fault suite (one heal in about 100): a data link found silent in a split
     while it still had batches buffered was closed, but a close waits for the buffer to
@@ -437,20 +464,7 @@ def test_a_silent_data_link_with_a_full_write_buffer_is_redialled_at_once():
     async def main() -> None:
         data_ups: list[str] = []
         data_downs: list[str] = []
-        a = await Peer("a", on_data_up=data_ups.append, on_data_down=data_downs.append).listen()
-        b = await Peer("b").listen()
-        a.dial(b)
-        await until(lambda: a.ups == ["b"] and b.ups == ["a"])
-
-        async def ticks(seconds: float, done) -> None:
-            end = asyncio.get_running_loop().time() + seconds
-            while asyncio.get_running_loop().time() < end and not done():
-                a.transport.maintain()
-                b.transport.maintain()
-                await asyncio.sleep(0.05)
-
-        await ticks(3.0, lambda: data_ups == ["b"])
-        assert data_ups == ["b"]
+        a, b = await linked_with_data(on_data_up=data_ups.append, on_data_down=data_downs.append)
         b.transport.data_links["a"].transport.pause_reading()
         link = a.transport.data_links["b"]
         chunk = b"x" * 65536
@@ -463,7 +477,7 @@ def test_a_silent_data_link_with_a_full_write_buffer_is_redialled_at_once():
         a.transport.idle_timeout_s = 60.0
         link.last_received -= 120.0
         started = asyncio.get_running_loop().time()
-        await ticks(2.0, lambda: len(data_ups) == 2)
+        await ticks(a, b, 2.0, lambda: len(data_ups) == 2)
         assert data_downs == ["b"] and data_ups == ["b", "b"]
         assert asyncio.get_running_loop().time() - started < 1.5
         for p in (a, b):
@@ -481,20 +495,7 @@ def test_a_data_dial_left_hanging_by_a_split_does_not_hold_up_the_data_link_once
 
     async def main() -> None:
         data_ups: list[str] = []
-        a = await Peer("a", on_data_up=data_ups.append).listen()
-        b = await Peer("b").listen()
-        a.dial(b)
-        await until(lambda: a.ups == ["b"] and b.ups == ["a"])
-
-        async def ticks(seconds: float, done) -> None:
-            end = asyncio.get_running_loop().time() + seconds
-            while asyncio.get_running_loop().time() < end and not done():
-                a.transport.maintain()
-                b.transport.maintain()
-                await asyncio.sleep(0.05)
-
-        await ticks(3.0, lambda: data_ups == ["b"])
-        assert data_ups == ["b"]
+        a, b = await linked_with_data(on_data_up=data_ups.append)
         full = socket.socket()
         full.bind(("127.0.0.1", 0))
         full.listen(0)
@@ -510,14 +511,14 @@ def test_a_data_dial_left_hanging_by_a_split_does_not_hold_up_the_data_link_once
         real = a.transport.data_address
         a.transport.data_address = lambda link: full.getsockname()
         a.transport.data_links["b"].close("silent")
-        await ticks(1.0, lambda: "b" in a.transport.data_dialling)
+        await ticks(a, b, 1.0, lambda: "b" in a.transport.data_dialling)
         hanging = a.transport.data_dialling["b"]
         await asyncio.sleep(0.3)
         assert not hanging.done()
         a.transport.links["b"].close("silent")
         a.transport.data_address = real
         started = asyncio.get_running_loop().time()
-        await ticks(4.0, lambda: len(data_ups) == 2)
+        await ticks(a, b, 4.0, lambda: len(data_ups) == 2)
         assert data_ups == ["b", "b"]
         assert asyncio.get_running_loop().time() - started < 2.0
         assert hanging.cancelled()
