@@ -1782,14 +1782,7 @@ mod tests {
                 _ => SessionMessageKind::Released(pkid),
             };
             let m = message(b"t/1", b"hello");
-            let mut encoded = Vec::new();
-            encode_message(&m, &mut encoded);
-            let mut item = Vec::new();
-            encode_session_message(&client, qos, retain, &sub_ids, &encoded, kind, &mut item);
-            let mut w = ItemWriter::default();
-            w.raw_item(&item);
-            let header = Header { epoch: 5, seq: 1, ack_epoch: 0, ack_seq: 0 };
-            let body = body_of(&w.finish(header));
+            let body = session_message_body(&client, qos, retain, &sub_ids, &m, kind);
             let batch = Batch::decode(&body).unwrap();
             let released = match kind {
                 SessionMessageKind::Released(p) => Some(p),
@@ -1807,14 +1800,19 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_released_message_under_packet_id_0_is_refused() {
-        let m = message(b"t/1", b"x");
+    /// The body of a batch holding one `SessionMessage` of `m`.
+    fn session_message_body(
+        client: &str,
+        qos: u8,
+        retain: bool,
+        sub_ids: &[u32],
+        m: &WireMessage<'_>,
+        kind: SessionMessageKind,
+    ) -> Vec<u8> {
         let mut encoded = Vec::new();
-        encode_message(&m, &mut encoded);
+        encode_message(m, &mut encoded);
         let mut item = Vec::new();
-        let kind = SessionMessageKind::Released(0);
-        encode_session_message("dev", 2, false, &[], &encoded, kind, &mut item);
+        encode_session_message(client, qos, retain, sub_ids, &encoded, kind, &mut item);
         let mut w = ItemWriter::default();
         w.raw_item(&item);
         let header = Header {
@@ -1823,7 +1821,13 @@ mod tests {
             ack_epoch: 0,
             ack_seq: 0,
         };
-        let body = body_of(&w.finish(header));
+        body_of(&w.finish(header))
+    }
+
+    #[test]
+    fn a_released_message_under_packet_id_0_is_refused() {
+        let m = message(b"t/1", b"x");
+        let body = session_message_body("dev", 2, false, &[], &m, SessionMessageKind::Released(0));
         assert!(Batch::decode(&body).unwrap().items().is_err());
     }
 }
