@@ -404,21 +404,26 @@ def serving(node: Node) -> bool:
     return True
 
 
-def retained_values(node: Node, filter_: str, quiet: float = 0.5) -> dict[str, bytes]:
-    """topic -> payload of what a new subscriber to `filter_` on `node` gets as retained."""
-    # A node that opened its port but has not the cluster's map yet refuses with 0x88
-    # (a joining node makes no sessions): a client tries again, as this one does.
+def connect_retrying(node: Node, prefix: str) -> Client:
+    """A clean MQTT 5 client connected to `node`. A node that opened its port but has not
+    the cluster's map yet refuses with 0x88 (a joining node makes no sessions): a client
+    tries again, as this one does."""
     deadline = time.monotonic() + 10
     while True:
-        reader = Client(endpoint(node), client_id=unique("rread"), version=5)
+        client = Client(endpoint(node), client_id=unique(prefix), version=5)
         try:
-            reader.connect()
-            break
+            client.connect()
+            return client
         except MqttError:
-            reader.close()
+            client.close()
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def retained_values(node: Node, filter_: str, quiet: float = 0.5) -> dict[str, bytes]:
+    """topic -> payload of what a new subscriber to `filter_` on `node` gets as retained."""
+    reader = connect_retrying(node, "rread")
     reader.subscribe(filter_, qos=0)
     got = {m.topic: m.payload for m in reader.drain(quiet)}
     reader.disconnect()
@@ -518,6 +523,42 @@ def test_acknowledged_messages_for_a_dead_node_survive_the_publishing_node_dying
         assert plane(n1, "n3")["read_back"] > 0
         wait_for(lambda: plane(n1, "n3")["unacked_bytes"] == 0, 5, "queue drained", n1)
         sub.disconnect()
+
+
+def test_a_node_restarted_while_a_peer_is_out_of_reach_keeps_publishes_for_its_sessions(
+    tmp_path,
+):
+    """n2 homes an offline persistent session. n3 is SIGKILLed and comes back while its
+    links to n2 are cut (n2 blocks them; n1, the leader, reaches both, so no one is removed):
+    it routes by the rows of n2 it kept on its disk, so the QoS 1 messages published on it
+    are kept for n2 and reach the session once the links are back. Before, a restarted node
+    knew no rows of a peer out of its reach, and dropped them."""
+    with Cluster(tmp_path) as cluster:
+        _, n2, n3 = start_cluster(cluster, 3)
+        topic, session = unique("rows"), unique("dev")
+        expiry = {"SessionExpiryInterval": 300}
+        sub = Client(endpoint(n2), client_id=session, version=5, clean=False, props=expiry)
+        sub.connect()
+        sub.subscribe(topic, qos=1)
+        sub.disconnect()
+        wait_rows(n3, "n2", 1)
+        n3.kill()
+        n2.block(["n3"])
+        # It serves once n2's retained set came or the failure timeout passed.
+        cluster.start(3, join=cluster.seeds(1))
+        wait_for(lambda: serving(n3), 20, "n3 serving", n3)
+        assert not plane(n3, "n2")["up"]
+        assert plane(n3, "n2")["route_rows"] == 1
+        publisher = connect_retrying(n3, "rpub")
+        payloads = [f"{i}".encode() for i in range(20)]
+        all_acknowledged([publisher.publish(topic, p, qos=1, wait=False) for p in payloads], 10)
+        n2.block([])
+        sub = Client(endpoint(n2), client_id=session, version=5, clean=False, props=expiry)
+        assert sub.connect().session_present
+        assert [m.payload for m in sub.expect(20, 10.0)] == payloads
+        assert sub.drain(0.5) == []
+        for c in (sub, publisher):
+            c.disconnect()
 
 
 def test_a_client_kicked_through_one_node_loses_its_connection_and_session_on_another(nodes):

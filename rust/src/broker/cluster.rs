@@ -8,7 +8,8 @@
 //!   `SubscriptionIndex` keyed by peer, like local ones by session: a publish is forwarded
 //!   at most once to each node with a matching row, never to a node without one. Rows of a
 //!   peer whose link is down stay (its persistent sessions still want their messages) until
-//!   the caller removes the peer.
+//!   the caller removes the peer, and are kept in the store: a node that restarts while a
+//!   peer is out of its reach routes by that peer's last rows until its snapshot comes.
 //! - **Batches.** What goes to one peer between two `drain_cluster` calls is one batch of
 //!   bytes (`crate::cluster::batch`); what comes from a peer is fed the same way. Nothing
 //!   per message reaches the caller on either side.
@@ -497,6 +498,15 @@ pub(super) struct Cluster {
     start_wall: u64,
     /// Batches restored from the store, by peer name, until the peer is added.
     restored: HashMap<Arc<str>, VecDeque<Outgoing>>,
+    /// Route rows restored from the store, by peer name, until the peer is added.
+    restored_rows: HashMap<Arc<str>, Vec<Arc<str>>>,
+}
+
+/// What changed in a peer's rows.
+#[derive(Default)]
+struct RowChanges {
+    added: Vec<Arc<str>>,
+    removed: Vec<Arc<str>>,
 }
 
 impl Cluster {
@@ -1199,43 +1209,55 @@ impl Cluster {
         self.peers.get(usize::from(id)).and_then(Option::as_ref)
     }
 
-    fn set_rows(&mut self, id: PeerId, filters: &[&str]) {
+    /// Peer `id`'s rows become `filters`; returns the rows added and those removed.
+    fn set_rows(&mut self, id: PeerId, filters: &[&str]) -> RowChanges {
+        let mut changes = RowChanges::default();
         let Some(peer) = self.peers.get_mut(usize::from(id)).and_then(Option::as_mut) else {
-            return;
+            return changes;
         };
-        let old = std::mem::take(&mut peer.rows);
-        for f in &old {
-            self.routes.remove(f, id);
-        }
         let mut rows = HashSet::with_capacity(filters.len());
         for &f in filters {
-            if rows.insert(Arc::<str>::from(f)) {
-                self.routes.insert(f, id, route_opts());
-            }
+            let f: Arc<str> = peer.rows.get(f).cloned().unwrap_or_else(|| Arc::from(f));
+            rows.insert(f);
         }
-        let peer = self.peer_mut(id).expect("checked");
-        peer.stats.rows = rows.len() as u64;
-        peer.rows = rows;
+        let old = std::mem::replace(&mut peer.rows, rows);
+        peer.stats.rows = peer.rows.len() as u64;
+        let peer = self.peers[usize::from(id)].as_ref().expect("checked");
+        for f in old.iter().filter(|f| !peer.rows.contains(*f)) {
+            self.routes.remove(f, id);
+            changes.removed.push(f.clone());
+        }
+        for f in peer.rows.iter().filter(|f| !old.contains(*f)) {
+            self.routes.insert(f, id, route_opts());
+            changes.added.push(f.clone());
+        }
+        changes
     }
 
-    fn add_row(&mut self, id: PeerId, filter: &str) {
+    /// Whether the row was not there before.
+    fn add_row(&mut self, id: PeerId, filter: &str) -> bool {
         let Some(peer) = self.peer_mut(id) else {
-            return;
+            return false;
         };
         if peer.rows.insert(Arc::from(filter)) {
             peer.stats.rows += 1;
             self.routes.insert(filter, id, route_opts());
+            return true;
         }
+        false
     }
 
-    fn remove_row(&mut self, id: PeerId, filter: &str) {
+    /// Whether the row was there.
+    fn remove_row(&mut self, id: PeerId, filter: &str) -> bool {
         let Some(peer) = self.peer_mut(id) else {
-            return;
+            return false;
         };
         if peer.rows.remove(filter) {
             peer.stats.rows -= 1;
             self.routes.remove(filter, id);
+            return true;
         }
+        false
     }
 }
 
@@ -1291,7 +1313,7 @@ impl Engine {
             peer.out = out;
             peer.spill(self.cfg.cluster_outbox_memory);
         }
-        match c.peers.iter().position(Option::is_none) {
+        let id = match c.peers.iter().position(Option::is_none) {
             Some(i) => {
                 c.peers[i] = Some(peer);
                 i as PeerId
@@ -1300,6 +1322,47 @@ impl Engine {
                 c.peers.push(Some(peer));
                 (c.peers.len() - 1) as PeerId
             }
+        };
+        if let Some(rows) = c.restored_rows.remove(name) {
+            // Its rows as an earlier run of this node last knew them: publishes made here
+            // before its link is back (it may be out of reach) are kept for its sessions.
+            // Its snapshot replaces them when the link comes up (version 0 of no epoch).
+            let rows: Vec<&str> = rows.iter().map(|f| &**f).collect();
+            c.set_rows(id, &rows);
+        }
+        id
+    }
+
+    /// A route row of peer `name` kept in the store by an earlier run of this node.
+    pub(super) fn restore_route_row(&mut self, name: &str, filter: &str) -> Result<(), String> {
+        if !topics::valid_filter(filter) {
+            return Err(format!("invalid route filter {filter:?}"));
+        }
+        let rows = self
+            .cluster
+            .restored_rows
+            .entry(Arc::from(name))
+            .or_default();
+        rows.push(Arc::from(filter));
+        Ok(())
+    }
+
+    /// Keeps what changed in peer `id`'s rows in the store: a restart of this node routes
+    /// by them until the peer's link brings its snapshot, so that a publish made here
+    /// while the peer is out of reach is kept for its sessions, not dropped for want of a
+    /// row. Rows change per subscribe and unsubscribe, never per message.
+    fn store_rows(&mut self, id: PeerId, changes: RowChanges) {
+        if !self.cfg.durable || (changes.added.is_empty() && changes.removed.is_empty()) {
+            return;
+        }
+        let Some(name) = self.cluster.peer_ref(id).map(|p| p.name.clone()) else {
+            return;
+        };
+        for f in changes.added {
+            self.put(records::route_row_key(&name, &f), &[]);
+        }
+        for f in changes.removed {
+            self.delete(records::route_row_key(&name, &f));
         }
     }
 
@@ -1347,8 +1410,9 @@ impl Engine {
             }
         }
         self.registry_peer_removed(id);
+        let changes = self.cluster.set_rows(id, &[]);
+        self.store_rows(id, changes);
         let c = &mut self.cluster;
-        c.set_rows(id, &[]);
         if let Some(slot) = c.peers.get_mut(usize::from(id)) {
             *slot = None;
         }
@@ -1879,7 +1943,8 @@ impl Engine {
                     if h.epoch != peer.rows_epoch || version >= peer.rows_version {
                         peer.rows_epoch = h.epoch;
                         peer.rows_version = version;
-                        c.set_rows(id, &filters);
+                        let changes = c.set_rows(id, &filters);
+                        self.store_rows(id, changes);
                     }
                     // Sent after what the link held for this node: that is all in now.
                     self.relay_caught_up(id);
@@ -1895,11 +1960,13 @@ impl Engine {
                         c.has_output = true;
                     } else if version == peer.rows_version + 1 {
                         peer.rows_version = version;
-                        if add {
-                            c.add_row(id, filter);
-                        } else {
-                            c.remove_row(id, filter);
+                        let mut changes = RowChanges::default();
+                        if add && c.add_row(id, filter) {
+                            changes.added.push(Arc::from(filter));
+                        } else if !add && c.remove_row(id, filter) {
+                            changes.removed.push(Arc::from(filter));
                         }
+                        self.store_rows(id, changes);
                     }
                     // Older versions are stale: never applied, so a late update cannot
                     // bring back a removed row.

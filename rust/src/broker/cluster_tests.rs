@@ -534,12 +534,83 @@ fn a_full_link_holds_only_its_publishers_and_drops_no_qos0() {
 
 /// Node 0 (durable) restarts from `disk` with a new incarnation; its links come back.
 fn restart_node0(n: &mut Nodes, disk: &Disk, epoch: u64) {
+    restart_node0_cut_off(n, disk, epoch);
+    n.heal_link(0, 1);
+}
+
+/// As `restart_node0`, its link to node 1 still cut.
+fn restart_node0_cut_off(n: &mut Nodes, disk: &Disk, epoch: u64) {
     let now = n.h[0].now + 1000;
     let (mut h, _) = restart(disk, now);
     h.e.cluster_start(epoch, "node0");
     n.peer[0][1] = h.e.cluster_add_peer("node1");
     n.h[0] = h;
+}
+
+/// The filters of node 1's rows in node 0's store.
+fn stored_rows(disk: &Disk) -> Vec<String> {
+    disk.keys()
+        .filter_map(|k| match records::parse_key(k) {
+            Some(records::Key::RouteRow { peer, filter }) if peer == "node1" => Some(filter),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_node_restarted_while_a_peer_is_out_of_reach_routes_by_the_rows_it_kept() {
+    let mut disk = Disk::new();
+    let mut h0 = Harness::with(durable());
+    h0.e.set_wall_clock(h0.now, h0.now);
+    let mut n = Nodes::with(vec![h0, Harness::new()]);
+    let sub = n.h[1].connect("sub", Protocol::V5, false);
+    n.h[1].subscribe(sub, "d/#", QoS::AtLeastOnce);
+    n.h[1].subscribe(sub, "gone/#", QoS::AtLeastOnce);
+    n.h[1].send(
+        sub,
+        Packet::Unsubscribe(crate::codec::Unsubscribe {
+            pkid: 9,
+            filters: vec!["gone/#".into()],
+            properties: None,
+        }),
+    );
+    n.h[1].recv_one(sub);
+    n.settle();
+    sync(&mut n.h[0], &mut disk);
+    assert_eq!(stored_rows(&disk), ["d/#"]);
+    // Node 0 restarts while node 1 is out of its reach: it routes by the rows it kept, so
+    // the publish is acknowledged as matched (not 0x10) and kept for node 1.
+    n.cut_link(0, 1);
+    restart_node0_cut_off(&mut n, &disk, 7);
+    assert_eq!(n.rows(0, 1), 1);
+    let p = n.h[0].connect("p", Protocol::V5, true);
+    n.h[0].publish(p, "d/1", "kept", QoS::AtLeastOnce, false);
+    n.h[0].publish(p, "gone/1", "nobody", QoS::AtLeastOnce, false);
+    sync(&mut n.h[0], &mut disk);
+    let acks = n.h[0].recv_one(p);
+    assert!(
+        matches!(&acks[..], [Packet::PubAck(a), Packet::PubAck(b)]
+            if a.reason_code == 0 && b.reason_code == 0x10),
+        "{acks:?}"
+    );
+    assert_eq!(disk.keys().filter(|k| k[0] == b'o').count(), 1);
+    // Node 1's subscriber changed meanwhile: the snapshot at the heal replaces the rows,
+    // here and on disk.
+    n.h[1].subscribe(sub, "e/#", QoS::AtLeastOnce);
     n.heal_link(0, 1);
+    assert_eq!(payloads(&n.h[1].recv_one(sub)), ["kept"]);
+    n.h[0].publish(p, "e/1", "new row", QoS::AtLeastOnce, false);
+    n.settle();
+    assert_eq!(payloads(&n.h[1].recv_one(sub)), ["new row"]);
+    sync(&mut n.h[0], &mut disk);
+    let mut rows = stored_rows(&disk);
+    rows.sort();
+    assert_eq!(rows, ["d/#", "e/#"]);
+    // Node 1 leaves the cluster: its rows go from the disk too.
+    let p1 = n.peer[0][1];
+    n.h[0].e.cluster_remove_peer(p1);
+    sync(&mut n.h[0], &mut disk);
+    assert!(stored_rows(&disk).is_empty());
 }
 
 #[test]
@@ -568,6 +639,28 @@ fn a_qos1_message_for_a_down_peer_is_stored_and_survives_a_restart_of_its_publis
     assert!(n.stats(1, 0).retained_synced);
     sync(&mut n.h[0], &mut disk);
     assert_eq!(disk.keys().filter(|k| k[0] == b'o').count(), 0);
+}
+
+#[test]
+fn a_stored_route_row_that_is_no_filter_or_has_a_body_is_reported_not_routed() {
+    use crate::store::envelope::seal;
+    let not_a_filter = records::route_row_key("node1", "a/#/b");
+    let with_body = records::route_row_key("node1", "t");
+    let good = records::route_row_key("node1", "u/+");
+    let recs = [
+        (not_a_filter.clone(), seal(&not_a_filter, &[], 0)),
+        (with_body.clone(), seal(&with_body, b"x", 0)),
+        (good.clone(), seal(&good, &[], 0)),
+    ];
+    let recs: Vec<(&[u8], &[u8])> = recs.iter().map(|(k, v)| (&k[..], &v[..])).collect();
+    let mut h = Harness::with(durable());
+    let bad: Vec<Vec<u8>> = h.e.restore(&recs).into_iter().map(|(k, _)| k).collect();
+    assert_eq!(bad, [not_a_filter, with_body]);
+    h.e.finish_restore(h.now);
+    h.e.cluster_start(5, "node0");
+    let p = h.e.cluster_add_peer("node1");
+    let stats = h.e.cluster_stats();
+    assert_eq!(stats.iter().find(|s| s.0 == p).unwrap().3.rows, 1);
 }
 
 /// Does what the data plane does with `cluster_loads`: reads the records from `disk`.

@@ -474,6 +474,12 @@ impl Engine {
         if let Key::WillFired(client) = parsed {
             return self.restore_will_fired(client, &body);
         }
+        if let Key::RouteRow { peer, filter } = parsed {
+            if !body.is_empty() {
+                return Err("route row with a body".into());
+            }
+            return self.restore_route_row(&peer, &filter);
+        }
         if let Key::Mark { home, node } = parsed {
             let (epoch, seq) = records::decode_mark(&body).map_err(|e| e.to_string())?;
             self.restore_mark(home, Mark { node, epoch, seq });
@@ -485,7 +491,8 @@ impl Engine {
             | Key::Copy(..)
             | Key::Mark { .. }
             | Key::WillCopy(_)
-            | Key::WillFired(_) => {
+            | Key::WillFired(_)
+            | Key::RouteRow { .. } => {
                 unreachable!("handled above")
             }
             Key::Session(id) => {

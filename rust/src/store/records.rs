@@ -17,6 +17,7 @@
 //! | `a` | home node key u64, node key u64 | how far that home of copies held here applied that node's batches: its incarnation u64 and batch u64 (`Mark`) |
 //! | `w` | client | the will of a connection on another node whose session ends with it: home key, incarnation, version, will (`WillCopyRecord`) |
 //! | `p` | client | a will published here for a node out of reach, to tell it when its link is back: home key, version |
+//! | `n` | peer node, filter | a route row of that peer (its sessions hold the filter), so that a restart routes by it before the peer's link is back (empty) |
 
 use bytes::Bytes;
 
@@ -35,6 +36,7 @@ pub const COPY: u8 = b'c';
 pub const MARK: u8 = b'a';
 pub const WILL_COPY: u8 = b'w';
 pub const WILL_FIRED: u8 = b'p';
+pub const ROUTE_ROW: u8 = b'n';
 
 fn client_prefix(kind: u8, client_id: &str, extra: usize) -> Vec<u8> {
     let id = client_id.as_bytes();
@@ -103,6 +105,13 @@ pub fn will_copy_key(client_id: &str) -> Vec<u8> {
 /// is to be told of when their link comes up (`cluster_wills`).
 pub fn will_fired_key(client_id: &str) -> Vec<u8> {
     client_prefix(WILL_FIRED, client_id, 0)
+}
+
+/// A route row of peer node `peer`: its sessions hold `filter`.
+pub fn route_row_key(peer: &str, filter: &str) -> Vec<u8> {
+    let mut k = client_prefix(ROUTE_ROW, peer, filter.len());
+    k.extend_from_slice(filter.as_bytes());
+    k
 }
 
 /// A published will to tell its home of: that node's key and the connection's version.
@@ -220,6 +229,11 @@ pub enum Key {
     WillCopy(String),
     /// A will published here for a connection of `client` on a node out of reach.
     WillFired(String),
+    /// A route row of a peer node.
+    RouteRow {
+        peer: String,
+        filter: String,
+    },
 }
 
 pub fn parse_key(key: &[u8]) -> Option<Key> {
@@ -252,6 +266,10 @@ pub fn parse_key(key: &[u8]) -> Option<Key> {
             }
             Some(Key::Copy(id, tail.to_vec()))
         }
+        (ROUTE_ROW, 1..) => Some(Key::RouteRow {
+            peer: id,
+            filter: std::str::from_utf8(tail).ok()?.to_owned(),
+        }),
         (OUTBOX, 24) => Some(Key::Outbox {
             peer: id,
             start: u64::from_be_bytes(tail[..8].try_into().ok()?),
@@ -641,6 +659,16 @@ mod tests {
             parse_key(&will_fired_key("dev")),
             Some(Key::WillFired("dev".into()))
         );
+        assert_eq!(
+            parse_key(&route_row_key("node1", "a/+/#")),
+            Some(Key::RouteRow {
+                peer: "node1".into(),
+                filter: "a/+/#".into()
+            })
+        );
+        // A row names a filter; a filter is never empty.
+        assert_eq!(parse_key(&route_row_key("node1", "")), None);
+        assert!(route_row_key("n", "z") < route_row_key("na", "a"));
         assert_eq!(parse_key(b""), None);
         assert_eq!(parse_key(b"m\x00\x05ab"), None);
         assert_eq!(parse_key(b"x\x00\x00"), None);

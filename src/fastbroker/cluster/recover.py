@@ -12,7 +12,7 @@ The new cluster id keeps the old members apart: a destroyed node brought back wi
 disk is refused at the link handshake (two of three of the old membership could otherwise
 elect a leader of their own), and must join with an empty data directory. What this node
 kept for the removed members (batches sent while they were down, notes that their wills
-went out) has nowhere to go and is deleted.
+went out, their route rows) has nowhere to go and is deleted.
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ from fastbroker.cluster.raft import ClusterConfig, PersistentState
 from fastbroker.store import Store, StoreError
 
 # Store record kinds kept for other nodes by name (fastbroker_core's store/records.rs):
-# batches for a peer that was down ('o', keyed by the peer's name) and wills this node
-# published for a home out of its reach, to tell that home ('p').
+# batches for a peer that was down ('o', keyed by the peer's name), wills this node
+# published for a home out of its reach, to tell that home ('p'), and the peers' route rows
+# ('n', keyed by the peer's name).
 OUTBOX = b"o"
 WILL_FIRED = b"p"
+ROUTE_ROW = b"n"
 
 
 class RecoverError(Exception):
@@ -114,7 +116,9 @@ def recover(data_dir: Path) -> Recovered:
         # The new state first: a crash after it leaves dead records, never a node of the
         # old cluster without what it kept for its peers.
         state_file.save(recovered)
-        dropped = [key for prefix in (OUTBOX, WILL_FIRED) for key, _ in store.load(prefix)]
+        dropped = [
+            key for prefix in (OUTBOX, WILL_FIRED, ROUTE_ROW) for key, _ in store.load(prefix)
+        ]
         store.write([(key, None) for key in dropped])
         store.sync()
     new = recovered.snapshot_config
