@@ -2,7 +2,8 @@
 
 The engine hands over its records as opaque bytes, once per event-loop iteration, as a list of
 ``(key, value)`` operations (``value`` None deletes the key); `Store.write` applies each list as
-one atomic RocksDB write batch, and `Store.load` gives every record back, in key order, at
+one atomic RocksDB write batch (filled in compiled code, pyx/fastbroker/_store_batch.pyx: no
+Python bytecode per operation), and `Store.load` gives every record back, in key order, at
 start-up. A key's first byte is the record kind (b"s" session, b"m" queued message, ...), which
 is all anyone outside the engine may rely on; this layer interprets neither keys nor values.
 
@@ -44,6 +45,8 @@ from rocksdict import (
     WriteBatch,
     WriteOptions,
 )
+
+from fastbroker._store_batch import fill_write_batch
 
 logger = logging.getLogger("fastbroker.store")
 
@@ -353,13 +356,9 @@ class Store:
         if not ops:
             return
         batch = WriteBatch(raw_mode=True)
-        put, delete = batch.put, batch.delete
         try:
-            for key, value in ops:
-                if value is None:
-                    delete(key)
-                else:
-                    put(key, value)
+            # Compiled: no Python bytecode per op on the store path.
+            fill_write_batch(batch, ops)
         except (ValueError, KeyError, TypeError):
             raise TypeError(
                 "Store.write: every op must be (bytes key, bytes value or None)"
