@@ -547,6 +547,22 @@ fn restart_node0_cut_off(n: &mut Nodes, disk: &Disk, epoch: u64) {
     n.h[0] = h;
 }
 
+/// Node 0 durable (its disk returned empty), node 1 with subscriber `sub` (`clean`) to
+/// `filter` at `qos`, whose row node 0 holds.
+fn durable_node0_and_subscriber(
+    clean: bool,
+    filter: &str,
+    qos: QoS,
+) -> (Nodes, Disk, super::ConnId) {
+    let mut h0 = Harness::with(durable());
+    h0.e.set_wall_clock(h0.now, h0.now);
+    let mut n = Nodes::with(vec![h0, Harness::new()]);
+    let sub = n.h[1].connect("sub", Protocol::V5, clean);
+    n.h[1].subscribe(sub, filter, qos);
+    n.settle();
+    (n, Disk::new(), sub)
+}
+
 /// The filters of node 1's rows in node 0's store.
 fn stored_rows(disk: &Disk) -> Vec<String> {
     disk.keys()
@@ -559,12 +575,7 @@ fn stored_rows(disk: &Disk) -> Vec<String> {
 
 #[test]
 fn a_node_restarted_while_a_peer_is_out_of_reach_routes_by_the_rows_it_kept() {
-    let mut disk = Disk::new();
-    let mut h0 = Harness::with(durable());
-    h0.e.set_wall_clock(h0.now, h0.now);
-    let mut n = Nodes::with(vec![h0, Harness::new()]);
-    let sub = n.h[1].connect("sub", Protocol::V5, false);
-    n.h[1].subscribe(sub, "d/#", QoS::AtLeastOnce);
+    let (mut n, mut disk, sub) = durable_node0_and_subscriber(false, "d/#", QoS::AtLeastOnce);
     n.h[1].subscribe(sub, "gone/#", QoS::AtLeastOnce);
     n.h[1].send(
         sub,
@@ -615,13 +626,7 @@ fn a_node_restarted_while_a_peer_is_out_of_reach_routes_by_the_rows_it_kept() {
 
 #[test]
 fn a_qos1_message_for_a_down_peer_is_stored_and_survives_a_restart_of_its_publisher_node() {
-    let mut disk = Disk::new();
-    let mut h0 = Harness::with(durable());
-    h0.e.set_wall_clock(h0.now, h0.now);
-    let mut n = Nodes::with(vec![h0, Harness::new()]);
-    let sub = n.h[1].connect("sub", Protocol::V5, false);
-    n.h[1].subscribe(sub, "d/#", QoS::AtLeastOnce);
-    n.settle();
+    let (mut n, mut disk, sub) = durable_node0_and_subscriber(false, "d/#", QoS::AtLeastOnce);
     sync(&mut n.h[0], &mut disk);
     n.cut_link(0, 1);
     let p = n.h[0].connect("p", Protocol::V5, true);
@@ -734,13 +739,7 @@ fn a_long_queue_for_a_down_peer_spills_to_the_store_and_is_read_back_in_order() 
 
 #[test]
 fn a_stored_batch_the_peer_had_applied_is_not_delivered_twice_after_a_restart() {
-    let mut disk = Disk::new();
-    let mut h0 = Harness::with(durable());
-    h0.e.set_wall_clock(h0.now, h0.now);
-    let mut n = Nodes::with(vec![h0, Harness::new()]);
-    let sub = n.h[1].connect("sub", Protocol::V5, true);
-    n.h[1].subscribe(sub, "e/#", QoS::ExactlyOnce);
-    n.settle();
+    let (mut n, mut disk, sub) = durable_node0_and_subscriber(true, "e/#", QoS::ExactlyOnce);
     let p = n.h[0].connect("p", Protocol::V5, true);
     n.h[0].publish(p, "e/1", "once", QoS::ExactlyOnce, false);
     // The batch reaches node 1, which applies it; its acknowledgement is lost with the link.
