@@ -251,6 +251,15 @@ impl Engine {
     /// the stored), then what can be sent goes.
     fn send_after_kept(&mut self, sid: SessionId, now: u64) {
         self.claims.kept_holds.retain(|&s| s != sid);
+        self.queue_in_origin_order(sid, now);
+        self.pump(sid, now);
+    }
+
+    /// Puts the messages of each publishing node in session `sid`'s queue back in that
+    /// node's order (their ids), in the places they hold (the stored ones among the
+    /// stored, whose records follow): what came along different paths may have arrived
+    /// out of it.
+    pub(super) fn queue_in_origin_order(&mut self, sid: SessionId, now: u64) {
         let Some(session) = self.session_mut(sid) else {
             return;
         };
@@ -292,7 +301,6 @@ impl Engine {
                 }
             }
         }
-        self.pump(sid, now);
     }
 
     /// Session `sid`'s client id and plain subscriptions (filter, QoS, retain as
