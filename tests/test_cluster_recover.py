@@ -25,6 +25,7 @@ from test_cluster_routing import (
 from fastbroker.cluster.partitions import compute_map, partition_of
 from fastbroker.cluster.raft import ClusterConfig, PersistentState
 from fastbroker.cluster.recover import RecoverError, alone, committed_config
+from fastbroker.store import Store
 
 
 def recover(*args: str) -> subprocess.CompletedProcess[str]:
@@ -90,9 +91,15 @@ def test_the_survivor_of_a_lost_majority_forms_a_new_cluster_with_its_sessions_a
         data_dir = str(n1.workdir / "data")
         refused = recover("--data-dir", str(n2.workdir / "nowhere"), "--yes")
         assert refused.returncode == 1 and "no cluster node's" in refused.stderr
+        with Store.open(data_dir) as store:
+            # n1 kept n2's route rows ("dev"'s filter) on its disk...
+            assert [k for k, _ in store.load(b"n") if b"n2" in k]
         done = recover("--data-dir", data_dir, "--yes")
         assert done.returncode == 0, done.stderr
         assert "only member of cluster" in done.stdout and "removed n2, n3" in done.stdout
+        with Store.open(data_dir) as store:
+            # ...which go with the members removed.
+            assert list(store.load(b"n")) == []
 
         cluster.start(1)
         wait_for(lambda: serving(n1), 15, "n1 serving", n1)
