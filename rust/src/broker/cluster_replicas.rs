@@ -1310,8 +1310,7 @@ impl Engine {
         // What each node kept for this one while cut off and what came since (relayed by
         // another node, say) can arrive interleaved: each publishing node's messages go in
         // its order, among themselves and with what reached the queue before the wait (a
-        // node whose link came back first relayed newer ones): nothing of the queue went
-        // out meanwhile (`window`).
+        // node whose link came back first relayed newer ones).
         in_origin_order(&mut u.held, |h| h.msg.id);
         for h in u.held {
             self.deliver(sid, &h.msg, h.qos, h.retain, h.sub_ids, now);

@@ -581,11 +581,6 @@ impl Engine {
             // Waiting for older messages kept for its dead home (`cluster_kept`).
             return None;
         }
-        if self.unconfirmed(sid) {
-            // Waiting for its owners' word (`cluster_replicas`): what it holds may go before
-            // what it has queued.
-            return None;
-        }
         let conn = self.conn(session.conn?)?;
         if !conn.writable || conn.state != ConnState::Active {
             return None;
