@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""What filling the store's write batch costs per operation: the Python loop Store.write
-used before against the compiled fill it uses now (pyx/fastbroker/_store_batch.pyx), side
-by side in one run, then a whole Store.write per operation for scale.
+"""What filling the store's write batch costs per operation: the Python fill (what
+Store.write ran before, and runs from a source tree without compiled modules) against the
+compiled one it uses now (pyx/fastbroker/_store_batch.pyx), side by side in one run, then
+a whole Store.write per operation for scale.
 
     python bench/store_write.py [--rounds 7]
 
@@ -21,18 +22,7 @@ from collections.abc import Callable
 from rocksdict import WriteBatch
 
 from fastbroker._store_batch import fill_write_batch
-from fastbroker.store import Store
-
-
-def python_fill(batch: WriteBatch, ops: list[tuple[bytes, bytes | None]]) -> None:
-    """The loop Store.write ran before."""
-    put, delete = batch.put, batch.delete
-    for key, value in ops:
-        if value is None:
-            delete(key)
-        else:
-            put(key, value)
-
+from fastbroker.store import Store, fill_write_batch_python
 
 Ops = list[tuple[bytes, bytes | None]]
 
@@ -54,7 +44,7 @@ def main() -> None:
     ]
     python, compiled = [], []
     for _ in range(args.rounds):
-        python.append(ns_per_op(python_fill, ops, 200))
+        python.append(ns_per_op(fill_write_batch_python, ops, 200))
         compiled.append(ns_per_op(fill_write_batch, ops, 200))
     p, c = statistics.median(python), statistics.median(compiled)
     print(f"fill per op: Python loop {p:.0f} ns, compiled {c:.0f} ns ({p / c:.2f}x)")

@@ -20,11 +20,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from rocksdict import WriteBatch
 from syscalls import STRACE, needs_strace
 from tmpfs import mounted_tmpfs
 
 import fastbroker.store
-from fastbroker.store import Store, StoreError, StoreWriteError
+from fastbroker._store_batch import fill_write_batch
+from fastbroker.store import Store, StoreError, StoreWriteError, fill_write_batch_python
 
 # The directory holding the fastbroker package under test, for the child processes.
 PACKAGE_ROOT = str(Path(fastbroker.store.__file__).resolve().parents[1])
@@ -226,6 +228,21 @@ def test_bad_ops_write_nothing(tmp_path: Path) -> None:
         with pytest.raises(TypeError):
             store.load("a")  # type: ignore[arg-type]
         assert list(store.load()) == [(b"a", b"1")]
+
+
+@pytest.mark.parametrize("fill", [fill_write_batch, fill_write_batch_python])
+def test_the_compiled_and_python_batch_fills_agree(fill, tmp_path: Path) -> None:
+    """Store.write's compiled fill and its Python twin (a source tree without compiled
+    modules) write the same records and refuse the same bad ops."""
+    with Store.open(str(tmp_path / "data")) as store:
+        store.write([(b"a", b"1"), (b"b", b"2")])
+        batch = WriteBatch(raw_mode=True)
+        fill(batch, [(b"c", b"3"), (b"a", None)])
+        store._db.write(batch)
+        assert list(store.load()) == [(b"b", b"2"), (b"c", b"3")]
+        for bad in ([("c", b"3")], [(b"c", "3")], [(b"c",)], [5], [(b"c", bytearray(b"3"))]):
+            with pytest.raises(TypeError, match="bytes"):
+                fill(WriteBatch(raw_mode=True), bad)
 
 
 @pytest.mark.timeout(30)

@@ -46,9 +46,31 @@ from rocksdict import (
     WriteOptions,
 )
 
-from fastbroker._store_batch import fill_write_batch
-
 logger = logging.getLogger("fastbroker.store")
+
+
+def fill_write_batch_python(batch: WriteBatch, ops: list[tuple[bytes, bytes | None]]) -> None:
+    """What pyx/fastbroker/_store_batch.pyx does, in Python: for a source tree without its
+    compiled modules (tools run from src/, such as `fastbroker passwd`), and as the
+    reference the compiled one is tested and measured against."""
+    put, delete = batch.put, batch.delete
+    for op in ops:
+        if not (isinstance(op, tuple) and len(op) == 2 and isinstance(op[0], bytes)):
+            raise TypeError("every op must be (bytes key, bytes value or None)")
+        key, value = op
+        if value is None:
+            delete(key)
+        elif isinstance(value, bytes):
+            put(key, value)
+        else:
+            raise TypeError("every op must be (bytes key, bytes value or None)")
+
+
+try:
+    # Compiled: no Python bytecode per operation on the store path.
+    from fastbroker._store_batch import fill_write_batch
+except ImportError:
+    fill_write_batch = fill_write_batch_python
 
 FORMAT_NAME = "fastbroker-store"
 FORMAT_VERSION = 1
@@ -357,7 +379,6 @@ class Store:
             return
         batch = WriteBatch(raw_mode=True)
         try:
-            # Compiled: no Python bytecode per op on the store path.
             fill_write_batch(batch, ops)
         except (ValueError, KeyError, TypeError):
             raise TypeError(
