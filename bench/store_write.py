@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""What filling the store's write batch costs per operation: the Python fill (what
-Store.write ran before, and runs from a source tree without compiled modules) against the
-compiled one it uses now (pyx/fastbroker/_store_batch.pyx), side by side in one run, then
-a whole Store.write per operation for scale.
+"""What filling the store's write batch costs per operation: its Python twin
+(fastbroker.store.fill_write_batch_python, the same checks; what a source tree without
+compiled modules runs) against the compiled fill Store.write uses
+(pyx/fastbroker/_store_batch.pyx), side by side in one run, then a whole Store.write per
+operation for scale.
 
     python bench/store_write.py [--rounds 7]
 
@@ -47,7 +48,7 @@ def main() -> None:
         python.append(ns_per_op(fill_write_batch_python, ops, 200))
         compiled.append(ns_per_op(fill_write_batch, ops, 200))
     p, c = statistics.median(python), statistics.median(compiled)
-    print(f"fill per op: Python loop {p:.0f} ns, compiled {c:.0f} ns ({p / c:.2f}x)")
+    print(f"fill per op: Python twin {p:.0f} ns, compiled {c:.0f} ns ({p / c:.2f}x)")
     with tempfile.TemporaryDirectory() as tmp:
         with Store.open(os.path.join(tmp, "data"), fsync="never") as store:
             started = time.perf_counter()
