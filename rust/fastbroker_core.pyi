@@ -222,6 +222,10 @@ class Engine:
     def cluster_set_map(self, version: int, owners: list[list[int]], now_ms: int) -> None:
         """The partition map: per partition its owners (primary first) as peer numbers, -1 for
         this node. Sessions are copied to the other owners of their client id's partition."""
+    def cluster_set_members(self, members: list[int]) -> None:
+        """The cluster's agreed members as peer numbers, -1 for this node: the side of a split
+        that reaches more than half of them (or half, with the first by name) acts on what
+        both sides hold; the other waits (docs/cluster-sessions.md)."""
     def has_copy_loads(self) -> bool:
         """Whether session copies are to be read back from the store (``copy_loads``)."""
     def copy_loads(self) -> list[tuple[str, list[bytes]]]:

@@ -152,6 +152,11 @@ def test_python_dash_m_version(tmp_path: Path) -> None:
             id="fsync-unknown",
         ),
         pytest.param('[storage]\nfsync = "Always"\n', ["[storage] fsync"], id="fsync-case"),
+        pytest.param(
+            '[cluster]\nsplit_delivery = "minority"\n',
+            ["[cluster] split_delivery", "majority, both", "'minority'"],
+            id="split-delivery-unknown",
+        ),
         pytest.param("[storage]\nfsync = true\n", ["[storage] fsync"], id="fsync-bool"),
         pytest.param(
             "[storage]\nfsync_interval_ms = 0\n",

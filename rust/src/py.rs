@@ -425,6 +425,15 @@ impl PyEngine {
         self.inner.cluster_set_map(version, owners, now_ms)
     }
 
+    /// The cluster's members as peer numbers, -1 for this node (before the map they own).
+    fn cluster_set_members(&mut self, members: Vec<i32>) {
+        let members = members
+            .into_iter()
+            .map(|p| u16::try_from(p).unwrap_or(THIS_NODE))
+            .collect();
+        self.inner.cluster_set_members(members)
+    }
+
     fn has_copy_loads(&self) -> bool {
         self.inner.has_copy_loads()
     }

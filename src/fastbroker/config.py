@@ -151,6 +151,12 @@ class ClusterConfig:
     # (SIGTERM): DISCONNECT 0x9C "use another server" with this Server Reference, such as the
     # load balancer's "host:port". Empty: DISCONNECT 0x8B "server shutting down".
     server_reference: str = ""
+    # Which side of a network split acts on what both sides hold (a session's state at the
+    # split): "majority" (more than half of the members, or half with the first by name)
+    # delivers QoS 2 and serves session copies, the other side waits for the heal, so
+    # QoS 2 reaches a client that crosses the split once; "both" keeps both sides
+    # delivering (such a client may get a QoS 2 message twice).
+    split_delivery: str = "majority"
 
 
 @dataclass(frozen=True)
@@ -402,6 +408,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "outbox_memory_mb": integer(1, 1_000_000),
         "ack_replicas": integer(1, 16),
         "server_reference": any_string,
+        "split_delivery": one_of("majority", "both"),
     },
     "admin": {
         "enabled": boolean,

@@ -71,6 +71,7 @@ def engine_config(config: Config) -> dict[str, Any]:
         "cluster_ack_replicas": config.cluster.ack_replicas,
         # A peer down for the failure timeout has its sessions taken over from their copies.
         "cluster_takeover_ms": config.cluster.failure_timeout_ms if config.cluster.node_id else 0,
+        "cluster_minority_acts": config.cluster.split_delivery == "both",
         # auth_required / intercept, only when [auth] is used.
         **engine_keys(config.auth),
     }

@@ -186,6 +186,10 @@ struct Peer {
     /// acknowledgement last came (or the link came up).
     acked_seq: u64,
     acked_at: u64,
+    /// Our reliable batch sent when another link went down: until the peer acknowledges
+    /// it, it is not known to be in reach (its link may be silent too: a split is found
+    /// one link at a time), so it does not count for `cluster_authority`. 0: none.
+    probe_seq: u64,
     /// The peer's incarnation and the last of its reliable batches applied here.
     recv_epoch: u64,
     recv_seq: u64,
@@ -233,6 +237,7 @@ impl Peer {
             waiting_qos0_bytes: 0,
             next_seq: 1,
             acked_seq: 0,
+            probe_seq: 0,
             acked_at: 0,
             recv_epoch: 0,
             recv_seq: 0,
@@ -772,6 +777,23 @@ impl Cluster {
         self.peer_ref(id).is_some_and(|p| p.up)
     }
 
+    /// Up, and has acknowledged the batch sent it when another link last went down.
+    pub(super) fn peer_in_reach(&self, id: PeerId) -> bool {
+        self.peer_ref(id)
+            .is_some_and(|p| p.up && p.acked_seq >= p.probe_seq)
+    }
+
+    /// Another link went down: every peer still up is sent a reliable batch (empty if
+    /// nothing else goes), and counts as in reach again once it acknowledges it.
+    fn probe_up_peers(&mut self) {
+        for peer in self.peers.iter_mut().flatten().filter(|p| p.up) {
+            peer.probe_seq = peer.next_seq;
+            peer.reliable = true;
+            peer.ack_due = true;
+        }
+        self.has_output = true;
+    }
+
     /// Whether every peer besides `except` is linked and has sent its route rows and
     /// retained set since (`RetainedSent` comes after the rows on a link), or is in `gone`:
     /// what is published here now reaches every subscriber on the nodes that can be reached.
@@ -866,6 +888,12 @@ impl Cluster {
     pub(super) fn awaits(&self, id: PeerId, seq: u64) -> bool {
         self.peer_ref(id)
             .is_some_and(|peer| peer.up && peer.confirmed() < seq)
+    }
+
+    /// As `awaits`, but a peer out of reach is waited for too (until the map drops it):
+    /// output to a client on the side of a split that does not act (`cluster_authority`).
+    pub(super) fn awaits_even_down(&self, id: PeerId, seq: u64) -> bool {
+        self.peer_ref(id).is_some_and(|peer| peer.confirmed() < seq)
     }
 
     pub(super) fn peer_protocol(&self, id: PeerId) -> u16 {
@@ -1512,6 +1540,8 @@ impl Engine {
         }
         self.cluster.has_output = true;
         if !up {
+            // Before anything counts the peers in reach (`cluster_authority`).
+            self.cluster.probe_up_peers();
             self.registry_link(id, false);
             // A down peer never stalls publishers: its messages wait in the queue for it.
             self.release_acks();
@@ -1519,6 +1549,9 @@ impl Engine {
             // Nor a connect claiming a client id.
             self.claims_peer_down(id, now);
             self.kept_asks_peer_down(id, now);
+        } else {
+            // In reach again, this node may be on the side that acts (`cluster_authority`).
+            self.release_gates();
         }
     }
 

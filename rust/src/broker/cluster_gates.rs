@@ -6,9 +6,10 @@
 //! "awaiting PUBREC" for one it completed, and the new home could give another message a
 //! packet id the client still holds as awaiting PUBREL (taken as a repeat: lost).
 //! Everything written to the connection after the held packet waits with it, so order is
-//! kept. QoS 0 and 1 need no wait (a repeated QoS 1 message is allowed).
+//! kept. QoS 0 and 1 need no wait (a repeated QoS 1 message is allowed). Owners out of
+//! reach are waited for on the side of a split that does not act (`cluster_authority`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use super::cluster::PeerId;
 use super::{ConnId, Engine};
@@ -79,16 +80,40 @@ impl Engine {
         gate.waits.extend_from_slice(new);
     }
 
-    /// Connections whose copies are acknowledged (or whose owners went down) write again.
+    /// Connections whose copies are acknowledged (or whose owners went down, on the side of
+    /// a split that acts: `cluster_authority`) write again, unless their session waits for
+    /// the word of a node back from a split (it may have a newer version, made from a copy
+    /// the acknowledgement just brought up to date: the client would get this twice).
     pub(super) fn release_gates(&mut self) {
         if self.gates.held.is_empty() {
             return;
         }
+        let acts = self.authoritative_in_reach();
+        let waiting: HashSet<ConnId> = if !self.any_unconfirmed() {
+            HashSet::new()
+        } else {
+            self.gates
+                .held
+                .keys()
+                .copied()
+                .filter(|&id| {
+                    self.conn(id)
+                        .and_then(|c| c.session)
+                        .is_some_and(|sid| self.unconfirmed(sid))
+                })
+                .collect()
+        };
         let mut open = Vec::new();
         let cluster = &self.cluster;
         self.gates.held.retain(|&id, g| {
-            g.waits.retain(|&(p, seq)| cluster.awaits(p, seq));
-            if g.waits.is_empty() {
+            g.waits.retain(|&(p, seq)| {
+                if acts {
+                    cluster.awaits(p, seq)
+                } else {
+                    cluster.awaits_even_down(p, seq)
+                }
+            });
+            if g.waits.is_empty() && !waiting.contains(&id) {
                 open.push(id);
                 false
             } else {

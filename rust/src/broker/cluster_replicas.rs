@@ -34,7 +34,7 @@
 //! - **A map change** streams copies to the owners a partition gained, and the former owners
 //!   keep theirs until then: `cluster_streams`.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use super::cluster::PeerId;
@@ -207,6 +207,8 @@ pub struct ReplicaStats {
 #[derive(Default)]
 pub(super) struct Replicas {
     map: Option<SessionMap>,
+    /// The members the map was made from (`cluster_authority`).
+    members: Option<Vec<PeerId>>,
     copies: HashMap<Arc<str>, Copy>,
     /// The peer that last said it installed a session that relays or waits here.
     installed: HashMap<Arc<str>, PeerId>,
@@ -289,6 +291,19 @@ impl Replicas {
             .map_or_else(Vec::new, |m| m.owners(client_id).to_vec())
     }
 
+    /// The members the map was made from, as told (`cluster_set_members`).
+    pub(super) fn members(&self) -> Option<&[PeerId]> {
+        self.members.as_deref()
+    }
+
+    /// Every node that owns a partition in the map (this one as `THIS_NODE`).
+    pub(super) fn map_owners(&self) -> BTreeSet<PeerId> {
+        self.map
+            .as_ref()
+            .map(|m| m.owners.iter().flatten().copied().collect())
+            .unwrap_or_default()
+    }
+
     /// Whether this node knows the partition map (in this run).
     pub(super) fn has_map(&self) -> bool {
         self.map.is_some()
@@ -321,12 +336,20 @@ fn decode_meta(body: &[u8]) -> Result<(Stamp, String), String> {
 }
 
 impl Engine {
+    /// The cluster's agreed members (this node as `THIS_NODE`), told before each map.
+    pub fn cluster_set_members(&mut self, members: Vec<PeerId>) {
+        self.replicas.members = Some(members);
+        self.release_gates();
+    }
+
     /// The partition map (`owners[p]`: partition p's primary then followers, this node as
     /// `THIS_NODE`). Sessions whose partition gained an owner are streamed to it in full
     /// (`cluster_streams`); sessions from before copies existed get a version and are copied.
     pub fn cluster_set_map(&mut self, version: u64, owners: Vec<Vec<PeerId>>, now: u64) {
         let old = self.replicas.map.replace(SessionMap { version, owners });
         self.replicas.sweep_due = true;
+        // Owners the map dropped are waited for no longer (`cluster_authority`).
+        self.release_gates();
         if version != self.out_of_touch_map && self.out_of_touch_until != u64::MAX {
             // In touch again: the cluster's membership changed since the pause (not while
             // the store still fails: `store_failed`).
@@ -1241,6 +1264,11 @@ impl Engine {
                 .is_some_and(|u| u.cut_off)
     }
 
+    /// Whether any session waits for its confirmation.
+    pub(super) fn any_unconfirmed(&self) -> bool {
+        !self.replicas.unconfirmed.is_empty()
+    }
+
     /// Whether deliveries to `sid` wait for its confirmation.
     pub(super) fn unconfirmed(&self, sid: SessionId) -> bool {
         !self.replicas.unconfirmed.is_empty() && self.replicas.unconfirmed.contains_key(&sid)
@@ -1317,6 +1345,7 @@ impl Engine {
         }
         self.queue_in_origin_order(sid, now);
         self.pump(sid, now);
+        self.release_gates();
     }
 
     /// A claim of this node brings session `client_id` from `peer` while an unconfirmed
@@ -1440,6 +1469,11 @@ impl Engine {
             });
             return true;
         }
+        if !self.authoritative() {
+            // The home may live on across a split, serving from the session itself: none
+            // (`cluster_authority`). The claimant starts afresh; the versions merge later.
+            return false;
+        }
         if self
             .replicas
             .wanted
@@ -1462,7 +1496,7 @@ impl Engine {
             Some(g) => home == Some(g),
             None => home.is_none_or(|h| !self.cluster.peer_up(h)),
         };
-        down && !self.by_client.contains_key(client_id)
+        down && !self.by_client.contains_key(client_id) && self.authoritative()
     }
 
     /// This node claims `client_id` and holds its copy: if the copy's home is down (or is
@@ -1501,7 +1535,10 @@ impl Engine {
                     .is_some_and(|h| self.cluster.peer_up(h))
             });
             if same && home_down {
-                self.claim_from_copy(w.peer, &w.client, w.stamp, false, now);
+                if !self.claim_from_copy(w.peer, &w.client, w.stamp, false, now) {
+                    self.cluster
+                        .queue_claim_answer(w.peer, &w.client, w.stamp, &[], None, &[]);
+                }
             } else if same && now < w.until {
                 self.replicas.watching.push(w);
             } else {
@@ -1541,6 +1578,12 @@ impl Engine {
             return;
         }
         let dead = self.cluster.down_longer_than(after, now);
+        if !dead.is_empty() && !self.authoritative() {
+            // Cut off, not the survivor: the homes may live on (`cluster_authority`). Swept
+            // once this side acts.
+            self.replicas.sweep_due = true;
+            return;
+        }
         let fresh = dead.iter().any(|p| !self.replicas.swept.contains(p));
         self.replicas.swept.retain(|p| dead.contains(p));
         if !fresh && !std::mem::take(&mut self.replicas.sweep_due) {

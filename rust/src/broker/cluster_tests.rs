@@ -2506,6 +2506,7 @@ fn node2_publishes_as_node0_dies(
 /// publishes "k1" and "k2" for it meanwhile (kept for node 0, acknowledged degraded).
 fn dev_kept_for_dead_node0(takeover_ms: u64) -> (Nodes, Vec<Disk>, crate::broker::ConnId) {
     let (mut n, mut disks, publisher) = dev_with_publisher_on_node2(7, takeover_ms);
+    both_sides_act(&mut n);
     node2_publishes_as_node0_dies(&mut n, &mut disks, publisher);
     // Not for "dev": stays kept for node 0 only.
     n.h[2].publish(publisher, "other/x", "x", QoS::AtLeastOnce, false);
@@ -3024,6 +3025,7 @@ fn a_node_out_of_reach_at_the_takeover_is_asked_once_its_link_is_back() {
 fn a_session_that_moves_on_while_its_dead_home_is_down_takes_what_was_kept_for_it_once() {
     // Node 0 homes "dev" (owners 0 and 1) and dies; node 1 keeps "j1" for it, node 2 "k1".
     let (mut n, mut disks) = copying_nodes(4, &[0, 1], 0);
+    both_sides_act(&mut n);
     protocol(&mut n, LATEST);
     offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
     let pub1 = connect_on(&mut n, 1, super::tests::connect("pub1", Protocol::V5, true));
@@ -3622,6 +3624,7 @@ fn a_node_killed_and_back_before_the_takeover_time_has_its_dead_connections_will
 #[test]
 fn an_owner_that_restarts_does_not_take_sessions_over_from_homes_whose_links_are_connecting() {
     let (mut n, mut disks) = copying_nodes(3, &[1, 2], 5_000);
+    both_sides_act(&mut n);
     protocol(&mut n, LATEST);
     offline_session(&mut n, 0, persistent_v5("lamp"), QoS::AtLeastOnce);
     settle_and_sync(&mut n, &mut disks);
@@ -3630,6 +3633,8 @@ fn an_owner_that_restarts_does_not_take_sessions_over_from_homes_whose_links_are
     n.cut_link(1, 0);
     n.cut_link(1, 2);
     restarts(&mut n, &mut disks, 1, 1_000, 555, &[]);
+    // Alone, it would wait for its peers without this (`cluster_authority`).
+    both_sides_act(&mut n);
     tick_after(&mut n, 1, 100);
     let d = disks[1].clone();
     assert_eq!(serve_copy_loads(&mut n.h[1], &d), 0);
@@ -4620,6 +4625,8 @@ fn dev_split_as_qos2_goes_out(
 ) {
     let delivered = flows != Flows::NotSent;
     let (mut n, mut disks, dev, other, publisher) = dev_other_and_publisher(QoS::ExactlyOnce);
+    // Node 0, cut off from both, delivers (the default holds: below).
+    both_sides_act(&mut n);
     if !delivered {
         let now = n.h[0].now;
         n.h[0].e.closed(dev, now);
@@ -4949,6 +4956,7 @@ fn link_back(n: &mut Nodes) {
 /// gets m1 and m2 there and leaves; then the link comes back (nothing moved over it yet).
 fn s_taken_over_across_a_silence(silent_ms: u64) -> (Nodes, Vec<Disk>) {
     let (mut n, mut disks) = copying_nodes(2, &[0, 1], 5_000);
+    both_sides_act(&mut n);
     offline_session(&mut n, 0, persistent_v5("s"), QoS::AtLeastOnce);
     let publisher = connect_on(&mut n, 1, super::tests::connect("p", Protocol::V5, true));
     for m in ["m1", "m2"] {
@@ -5109,6 +5117,7 @@ fn node2_falls_silent(n: &mut Nodes, silent_ms: u64) {
 /// Then the links come back.
 fn a_claim_held_up_by_a_split(stays: bool) -> (Nodes, Vec<Disk>, crate::broker::ConnId) {
     let (mut n, mut disks) = copying_nodes(3, &[0, 2], 5_000);
+    both_sides_act(&mut n);
     let s = connect_on(&mut n, 1, persistent_v5("s"));
     n.h[1].subscribe(s, "cmd/#", QoS::AtLeastOnce);
     let publisher = connect_on(&mut n, 0, super::tests::connect("p", Protocol::V5, true));
@@ -5244,6 +5253,7 @@ fn relink_node0(n: &mut Nodes) {
 /// then node 0 cut off from the others. Their connections.
 fn cut_off_with_dev_watch_pub_on(on: [usize; 3]) -> (Nodes, Vec<Disk>, [crate::broker::ConnId; 3]) {
     let (mut n, disks, conns) = dev_watch_pub_on(&[1, 0], on);
+    both_sides_act(&mut n);
     n.cut_link(0, 1);
     n.cut_link(0, 2);
     (n, disks, conns)
@@ -5609,6 +5619,7 @@ fn two_versions_whose_nodes_own_none_of_the_other_merge_after_the_heal() {
     // They do through what each tells the other first on the link (`TakenIds`): node 0's
     // version, older, hands over "q1" and "q2".
     let (mut n, mut disks) = copying_nodes(3, &[2, 0], 0);
+    both_sides_act(&mut n);
     let dev = connect_on(&mut n, 1, persistent_v5("dev"));
     n.h[1].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
     let pub_ = super::tests::connect("pub", Protocol::V5, true);
@@ -5767,4 +5778,111 @@ fn a_confirmed_session_sends_what_it_held_and_what_it_had_queued_in_publishing_o
         .connect_with(super::tests::connect("s", Protocol::V311, false))
         .1;
     assert_eq!(payloads(&got), ["m1", "m2", "m3"]);
+}
+
+/// Both sides of a split act on what both hold (`[cluster] split_delivery = "both"`): the
+/// tests of how versions made on both sides merge.
+fn both_sides_act(n: &mut Nodes) {
+    for h in &mut n.h {
+        h.e.cfg.cluster_minority_acts = true;
+    }
+}
+
+/// Node 0 homes "dev" (QoS 2) and its publisher; the split begins silently (frames lost,
+/// links up) as "m1" goes out, and node 0's links are found down one at a time (node 1's,
+/// the copy's owner, first), or only node 1's (`only_node1`: a crash of node 1). Returns
+/// what dev got on node 0 before the heal, and after it.
+fn dev_cut_off_as_qos2_goes_out(only_node1: bool) -> (Vec<String>, Vec<String>) {
+    let (mut n, mut disks, dev, _, publisher) = dev_other_and_publisher(QoS::ExactlyOnce);
+    let muted: &[(usize, usize)] = if only_node1 {
+        &[(0, 1), (1, 0)]
+    } else {
+        &[(0, 1), (1, 0), (0, 2), (2, 0)]
+    };
+    n.mute.extend_from_slice(muted);
+    let packet = super::tests::publish_packet("cmd/dev", "m1", QoS::ExactlyOnce, false, 1);
+    n.h[0].send(publisher, Packet::Publish(packet));
+    settle_and_sync(&mut n, &mut disks);
+    assert!(
+        payloads(&n.h[0].recv_one(dev)).is_empty(),
+        "before the copy"
+    );
+    n.cut_link(0, 1);
+    settle_and_sync(&mut n, &mut disks);
+    let mut before = payloads(&n.h[0].recv_one(dev));
+    if !only_node1 {
+        n.cut_link(0, 2);
+    }
+    n.mute.clear();
+    for _ in 0..3 {
+        tick_after(&mut n, 0, 2_000);
+        settle_and_sync(&mut n, &mut disks);
+        before.extend(payloads(&n.h[0].recv_one(dev)));
+    }
+    n.heal_link(0, 1);
+    if !only_node1 {
+        n.heal_link(0, 2);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    (before, payloads(&n.h[0].recv_one(dev)))
+}
+
+#[test]
+fn qos2_a_home_cut_off_from_the_majority_sends_nothing_its_copies_lack_until_the_heal() {
+    // The fault suite's last QoS 2 duplicates: a home whose links were found down one at a
+    // time took the first for the only one cut off, sent what the copy on the other side
+    // lacked, and the client, crossing the split, got it again from that copy. Node 0
+    // holds "m1" now (node 2 has not acknowledged its probe), and sends it once in touch.
+    let (before, after) = dev_cut_off_as_qos2_goes_out(false);
+    assert_eq!(before, Vec::<String>::new());
+    assert_eq!(after, ["m1"]);
+}
+
+#[test]
+fn qos2_a_home_that_loses_one_peer_of_three_sends_at_once() {
+    // As before: a killed owner stalls no delivery while a majority stands (node 2
+    // acknowledged its probe).
+    let (before, after) = dev_cut_off_as_qos2_goes_out(true);
+    assert_eq!(before, ["m1"]);
+    assert_eq!(after, Vec::<String>::new());
+}
+
+#[test]
+fn a_node_cut_off_from_the_majority_neither_resumes_nor_takes_over_from_its_copies() {
+    // Node 2 holds dev's copy (m1 queued); cut off alone, it may not act on it: dev's home
+    // lives on beyond the split as far as it can tell. Dev starts afresh there. Once in
+    // touch with node 1 again (a majority without node 0), it takes the other session of
+    // node 0 it holds a copy of, "lamp", over.
+    let (mut n, mut disks) = copying_nodes(3, &[0, 2], 5_000);
+    offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
+    offline_session(&mut n, 0, persistent_v5("lamp"), QoS::AtLeastOnce);
+    let publisher = connect_on(&mut n, 1, super::tests::connect("pub", Protocol::V5, true));
+    n.h[1].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[2].e.replica_stats().copies, 2);
+    n.cut_link(2, 0);
+    n.cut_link(2, 1);
+    for _ in 0..4 {
+        tick_after(&mut n, 2, 2_000);
+        settle_and_sync(&mut n, &mut disks);
+    }
+    assert_eq!(serve_copy_loads(&mut n.h[2], &disks[2]), 0);
+    assert_eq!(n.h[2].e.replica_stats().takeovers, 0);
+    let fresh = n.h[2].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(serve_copy_loads(&mut n.h[2], &disks[2]), 0);
+    let got = n.h[2].recv_one(fresh);
+    assert!(!connack(&got).session_present, "{got:?}");
+    assert!(payloads(&got[1..]).is_empty(), "{got:?}");
+    let now = n.h[2].now;
+    n.h[2].e.closed(fresh, now);
+    // Node 0 is gone for good; node 2 and node 1 are a majority again.
+    n.cut_link(0, 1);
+    n.heal_link(2, 1);
+    settle_and_sync(&mut n, &mut disks);
+    tick_after(&mut n, 2, 100);
+    serve_copy_loads(&mut n.h[2], &disks[2]);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[2].e.replica_stats().takeovers, 1);
+    assert_eq!(n.h[2].e.session_held("lamp"), Some(false));
 }

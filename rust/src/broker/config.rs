@@ -66,6 +66,10 @@ pub struct Config {
     /// A peer down this long (ms; the failure timeout) has its sessions taken over by the
     /// owners of their copies; 0: never.
     pub cluster_takeover_ms: u64,
+    /// Both sides of a split act on what both hold (deliver past owners out of reach, serve
+    /// copies): QoS 2 may then reach a client that crosses the split twice. Off: only the
+    /// side with the majority does (`cluster_authority`).
+    pub cluster_minority_acts: bool,
 }
 
 impl Default for Config {
@@ -99,6 +103,7 @@ impl Default for Config {
             cluster_outbox_memory: 64 << 20,
             cluster_ack_replicas: 2,
             cluster_takeover_ms: 0,
+            cluster_minority_acts: false,
         }
     }
 }
@@ -178,6 +183,7 @@ impl Config {
             "cluster_takeover_ms" => {
                 self.cluster_takeover_ms = int(key, &value, 0, i64::MAX)? as u64
             }
+            "cluster_minority_acts" => self.cluster_minority_acts = boolean(key, &value)?,
             "version" => match value {
                 Value::Str(s) => self.version = s,
                 _ => return Err(format!("{key} must be a string")),

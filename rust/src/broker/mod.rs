@@ -9,6 +9,7 @@
 pub mod acl;
 mod auth;
 mod cluster;
+mod cluster_authority;
 mod cluster_gates;
 mod cluster_kept;
 mod cluster_kept_store;

@@ -125,9 +125,13 @@ class DataPlane:
         if self.engine.has_copy_loads():
             self.load_copies()
 
-    def set_map(self, version: int, replicas: tuple[tuple[str, ...], ...]) -> None:
-        """The partition map, for the copies of sessions: each partition's owners."""
+    def set_map(
+        self, version: int, replicas: tuple[tuple[str, ...], ...], members: tuple[str, ...]
+    ) -> None:
+        """The partition map, for the copies of sessions: each partition's owners; and the
+        members it was made from (which side of a split acts on what both hold)."""
         me = self.transport.node_id
+        self.engine.cluster_set_members([-1 if n == me else self.peer(n) for n in members])
         owners = [[-1 if n == me else self.peer(n) for n in nodes] for nodes in replicas]
         self.engine.cluster_set_map(version, owners, monotonic_ms())
         self.server.schedule_flush()

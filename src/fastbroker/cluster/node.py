@@ -446,7 +446,7 @@ class ClusterNode:
         self.map_changed_at = now
         changed = old.version != new.version or old.members != new.members
         if self.dataplane is not None and changed:
-            self.dataplane.set_map(new.version, new.replicas)
+            self.dataplane.set_map(new.version, new.replicas, new.members)
         if old.members != new.members:
             logger.info(
                 "partition map version %d: members %s (%s)",
