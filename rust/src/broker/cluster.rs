@@ -777,6 +777,11 @@ impl Cluster {
         self.peer_ref(id).is_some_and(|p| p.up)
     }
 
+    /// The last of our reliable batches queued for peer `id` (0: none).
+    pub(super) fn last_reliable(&self, id: PeerId) -> u64 {
+        self.peer_ref(id).map_or(0, |p| p.next_seq - 1)
+    }
+
     /// Up, and has acknowledged the batch sent it when another link last went down.
     pub(super) fn peer_in_reach(&self, id: PeerId) -> bool {
         self.peer_ref(id)

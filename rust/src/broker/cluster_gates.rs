@@ -12,7 +12,9 @@
 use std::collections::{HashMap, HashSet};
 
 use super::cluster::PeerId;
+use super::state::SessionId;
 use super::{ConnId, Engine};
+use crate::codec::QoS;
 
 /// Output of one connection held from `from` on until its copies are acknowledged.
 struct Gate {
@@ -78,6 +80,33 @@ impl Engine {
         }
         gate.from = gate.from.min(from);
         gate.waits.extend_from_slice(new);
+    }
+
+    /// Session `sid` resumed on connection `cid`, which got its QoS 2 flows again from
+    /// byte `from` on. On the side of a split that does not act, the owners out of reach
+    /// may lack the flight records of those flows (written as the split began, or held
+    /// when the client left): the copy a version on the other side is made of would send
+    /// again what the client completes here. So they wait, as when first sent, until every
+    /// owner has acknowledged what was queued for it so far.
+    pub(super) fn gate_resumed(&mut self, sid: SessionId, cid: ConnId, from: usize) {
+        let qos2 = self.session(sid).is_some_and(|s| {
+            s.inflight
+                .iter()
+                .any(|f| f.delivery.qos == QoS::ExactlyOnce)
+        });
+        if !qos2 || self.authoritative_in_reach() {
+            return;
+        }
+        let client = self.session(sid).expect("checked").client_id.clone();
+        let mark = self.replicas.waits.len();
+        for p in self.replicas.other_owners(&client) {
+            let seq = self.cluster.last_reliable(p);
+            if seq != 0 {
+                self.replicas.waits.push((p, seq));
+            }
+        }
+        self.gate_output(cid, from, mark);
+        self.release_gates();
     }
 
     /// Connections whose copies are acknowledged (or whose owners went down, on the side of

@@ -5790,10 +5790,11 @@ fn both_sides_act(n: &mut Nodes) {
 
 /// Node 0 homes "dev" (QoS 2) and its publisher; the split begins silently (frames lost,
 /// links up) as "m1" goes out, and node 0's links are found down one at a time (node 1's,
-/// the copy's owner, first), or only node 1's (`only_node1`: a crash of node 1). Returns
-/// what dev got on node 0 before the heal, and after it.
-fn dev_cut_off_as_qos2_goes_out(only_node1: bool) -> (Vec<String>, Vec<String>) {
-    let (mut n, mut disks, dev, _, publisher) = dev_other_and_publisher(QoS::ExactlyOnce);
+/// the copy's owner, first), or only node 1's (`only_node1`: a crash of node 1); with
+/// `reconnect`, dev's client reconnects to node 0 then. Returns what dev got on node 0
+/// before the heal, and after it.
+fn dev_cut_off_as_qos2_goes_out(only_node1: bool, reconnect: bool) -> (Vec<String>, Vec<String>) {
+    let (mut n, mut disks, mut dev, _, publisher) = dev_other_and_publisher(QoS::ExactlyOnce);
     let muted: &[(usize, usize)] = if only_node1 {
         &[(0, 1), (1, 0)]
     } else {
@@ -5814,6 +5815,15 @@ fn dev_cut_off_as_qos2_goes_out(only_node1: bool) -> (Vec<String>, Vec<String>) 
         n.cut_link(0, 2);
     }
     n.mute.clear();
+    if reconnect {
+        let now = n.h[0].now;
+        n.h[0].e.closed(dev, now);
+        dev = n.h[0].open_connect(persistent_v5("dev"));
+        settle_and_sync(&mut n, &mut disks);
+        let got = n.h[0].recv_one(dev);
+        assert!(connack(&got).session_present, "{got:?}");
+        before.extend(payloads(&got[1..]));
+    }
     for _ in 0..3 {
         tick_after(&mut n, 0, 2_000);
         settle_and_sync(&mut n, &mut disks);
@@ -5833,7 +5843,17 @@ fn qos2_a_home_cut_off_from_the_majority_sends_nothing_its_copies_lack_until_the
     // time took the first for the only one cut off, sent what the copy on the other side
     // lacked, and the client, crossing the split, got it again from that copy. Node 0
     // holds "m1" now (node 2 has not acknowledged its probe), and sends it once in touch.
-    let (before, after) = dev_cut_off_as_qos2_goes_out(false);
+    let (before, after) = dev_cut_off_as_qos2_goes_out(false, false);
+    assert_eq!(before, Vec::<String>::new());
+    assert_eq!(after, ["m1"]);
+}
+
+#[test]
+fn qos2_in_flight_on_a_home_cut_off_from_the_majority_is_not_sent_again_to_its_client_there() {
+    // Seen in the fault suite (seed 9): the client reconnected to the cut-off home, which
+    // sent it its flows again (a resume queues no copy, so nothing held them), and the
+    // client completed there a message the copy on the other side said was still to send.
+    let (before, after) = dev_cut_off_as_qos2_goes_out(false, true);
     assert_eq!(before, Vec::<String>::new());
     assert_eq!(after, ["m1"]);
 }
@@ -5842,7 +5862,7 @@ fn qos2_a_home_cut_off_from_the_majority_sends_nothing_its_copies_lack_until_the
 fn qos2_a_home_that_loses_one_peer_of_three_sends_at_once() {
     // As before: a killed owner stalls no delivery while a majority stands (node 2
     // acknowledged its probe).
-    let (before, after) = dev_cut_off_as_qos2_goes_out(true);
+    let (before, after) = dev_cut_off_as_qos2_goes_out(true, false);
     assert_eq!(before, ["m1"]);
     assert_eq!(after, Vec::<String>::new());
 }

@@ -329,7 +329,9 @@ impl Engine {
                 // are in touch (`TakenIds`).
                 self.start_recent(sid, now);
             }
+            let from = self.conn(id).map_or(0, |c| c.out.len());
             self.resend_inflight(sid, id, now);
+            self.gate_resumed(sid, id, from);
         }
         self.pump(sid, now);
     }
