@@ -38,6 +38,33 @@ impl Engine {
         self.side_acts(true)
     }
 
+    /// Whether copies may be served or taken over: this side acts, and has without a
+    /// break for the takeover time if it did not once. A node back from a split gets its
+    /// links back one at a time: with the first it may count a majority while the homes
+    /// it was cut off from are still down here and its copies of their sessions stale
+    /// (what changed meanwhile comes with their links); it took such sessions over, and
+    /// a client that had moved on lost its subscriptions to the version that came of it.
+    pub(super) fn acts_on_copies(&self) -> bool {
+        if !self.authoritative() {
+            return false;
+        }
+        !self.replicas.acting_lost
+            && self.last_now >= self.replicas.acting_since + self.cfg.cluster_takeover_ms
+    }
+
+    /// Each tick: whether this side acts, and since when (see `acts_on_copies`).
+    pub(super) fn note_acting(&mut self, now: u64) {
+        if self.cfg.cluster_minority_acts {
+            return;
+        }
+        if !self.authoritative() {
+            self.replicas.acting_lost = true;
+        } else if self.replicas.acting_lost {
+            self.replicas.acting_lost = false;
+            self.replicas.acting_since = now;
+        }
+    }
+
     fn side_acts(&self, proven: bool) -> bool {
         if self.cluster.epoch_of() == 0 || self.cfg.cluster_minority_acts {
             return true;

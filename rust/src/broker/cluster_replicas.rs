@@ -209,6 +209,10 @@ pub(super) struct Replicas {
     map: Option<SessionMap>,
     /// The members the map was made from (`cluster_authority`).
     members: Option<Vec<PeerId>>,
+    /// A tick found this side not acting, and when one found it acting again since
+    /// (`cluster_authority`: copies wait the takeover time after that).
+    pub(super) acting_lost: bool,
+    pub(super) acting_since: u64,
     copies: HashMap<Arc<str>, Copy>,
     /// The peer that last said it installed a session that relays or waits here.
     installed: HashMap<Arc<str>, PeerId>,
@@ -1469,9 +1473,10 @@ impl Engine {
             });
             return true;
         }
-        if !self.authoritative() {
-            // The home may live on across a split, serving from the session itself: none
-            // (`cluster_authority`). The claimant starts afresh; the versions merge later.
+        if !self.acts_on_copies() {
+            // The home may live on across a split, serving from the session itself, or
+            // this copy may be stale (back from one): none (`cluster_authority`). The
+            // claimant starts afresh, or gets the session from where it lives.
             return false;
         }
         if self
@@ -1496,7 +1501,7 @@ impl Engine {
             Some(g) => home == Some(g),
             None => home.is_none_or(|h| !self.cluster.peer_up(h)),
         };
-        down && !self.by_client.contains_key(client_id) && self.authoritative()
+        down && !self.by_client.contains_key(client_id) && self.acts_on_copies()
     }
 
     /// This node claims `client_id` and holds its copy: if the copy's home is down (or is
@@ -1552,6 +1557,7 @@ impl Engine {
     /// Looks for copies whose home has been down for the takeover time and that this node
     /// is the first owner up to take over (at most once per down period of a peer).
     pub(super) fn replicas_tick(&mut self, now: u64) {
+        self.note_acting(now);
         self.promote_listed(now);
         self.stream_copies();
         self.watch_copies(now);
@@ -1578,9 +1584,10 @@ impl Engine {
             return;
         }
         let dead = self.cluster.down_longer_than(after, now);
-        if !dead.is_empty() && !self.authoritative() {
-            // Cut off, not the survivor: the homes may live on (`cluster_authority`). Swept
-            // once this side acts.
+        if !dead.is_empty() && !self.acts_on_copies() {
+            // Cut off, not the survivor: the homes may live on; or back from a split, with
+            // copies that may be stale and links still coming back (`cluster_authority`).
+            // Swept once this side acts.
             self.replicas.sweep_due = true;
             return;
         }

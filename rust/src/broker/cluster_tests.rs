@@ -5870,9 +5870,9 @@ fn qos2_a_home_that_loses_one_peer_of_three_sends_at_once() {
 #[test]
 fn a_node_cut_off_from_the_majority_neither_resumes_nor_takes_over_from_its_copies() {
     // Node 2 holds dev's copy (m1 queued); cut off alone, it may not act on it: dev's home
-    // lives on beyond the split as far as it can tell. Dev starts afresh there. Once in
-    // touch with node 1 again (a majority without node 0), it takes the other session of
-    // node 0 it holds a copy of, "lamp", over.
+    // lives on beyond the split as far as it can tell. Dev starts afresh there. In touch
+    // with node 1 again (a majority without node 0), it takes the other session of node 0
+    // it holds a copy of, "lamp", over, once that has lasted the takeover time.
     let (mut n, mut disks) = copying_nodes(3, &[0, 2], 5_000);
     offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
     offline_session(&mut n, 0, persistent_v5("lamp"), QoS::AtLeastOnce);
@@ -5896,11 +5896,16 @@ fn a_node_cut_off_from_the_majority_neither_resumes_nor_takes_over_from_its_copi
     assert!(payloads(&got[1..]).is_empty(), "{got:?}");
     let now = n.h[2].now;
     n.h[2].e.closed(fresh, now);
-    // Node 0 is gone for good; node 2 and node 1 are a majority again.
+    // Node 0 is gone for good; node 2 and node 1 are a majority again. Node 2's copies
+    // may be stale (what changed meanwhile comes with the links of the nodes still out of
+    // reach): it waits the takeover time, then takes "lamp" over.
     n.cut_link(0, 1);
     n.heal_link(2, 1);
     settle_and_sync(&mut n, &mut disks);
     tick_after(&mut n, 2, 100);
+    assert_eq!(serve_copy_loads(&mut n.h[2], &disks[2]), 0);
+    assert_eq!(n.h[2].e.replica_stats().takeovers, 0);
+    tick_after(&mut n, 2, 5_000);
     serve_copy_loads(&mut n.h[2], &disks[2]);
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(n.h[2].e.replica_stats().takeovers, 1);
