@@ -52,6 +52,17 @@ impl Engine {
             && self.last_now >= self.replicas.acting_since + self.cfg.cluster_takeover_ms
     }
 
+    /// Whether this node holds a copy of `client_id`'s session whose home is out of reach,
+    /// and no session of it, and may not act on the copy: the session lives on beyond a
+    /// split (or beyond a lost majority, until `cluster recover`). A CONNECT resuming it is
+    /// refused (0x88), not given a fresh session that would leave the copy's messages
+    /// behind: through a load balancer the client lands on the side that acts.
+    pub(super) fn copy_beyond_reach(&self, client_id: &str) -> bool {
+        !self.by_client.contains_key(client_id)
+            && self.copy_home_down(client_id)
+            && !self.acts_on_copies()
+    }
+
     /// Each tick: whether this side acts, and since when (see `acts_on_copies`).
     pub(super) fn note_acting(&mut self, now: u64) {
         if self.cfg.cluster_minority_acts {

@@ -1504,6 +1504,15 @@ impl Engine {
         down && !self.by_client.contains_key(client_id) && self.acts_on_copies()
     }
 
+    /// Whether this node holds a copy of `client_id` whose home is down.
+    pub(super) fn copy_home_down(&self, client_id: &str) -> bool {
+        self.replicas.copies.get(client_id).is_some_and(|copy| {
+            self.cluster
+                .peer_id_of(&copy.home)
+                .is_none_or(|h| !self.cluster.peer_up(h))
+        })
+    }
+
     /// This node claims `client_id` and holds its copy: if the copy's home is down (or is
     /// `gone`), the copy is read back to answer the claim as a peer would. True: it will.
     pub(super) fn claim_own_copy(&mut self, client_id: &str, gone: Option<PeerId>) -> bool {

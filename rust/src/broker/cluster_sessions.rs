@@ -280,7 +280,8 @@ impl Engine {
             let resumes = !pending.connect.clean_start && pending.assigned.is_none();
             if resumes
                 && !self.by_client.contains_key(&pending.client_id)
-                && self.may_hold_out_of_reach(None, now)
+                && (self.may_hold_out_of_reach(None, now)
+                    || self.copy_beyond_reach(&pending.client_id))
             {
                 return self.refuse_out_of_reach(id);
             }
@@ -405,7 +406,8 @@ impl Engine {
         for &peer in &peers {
             self.cluster.queue_claim(peer, client_id, stamp, discard);
         }
-        let out_of_reach = !discard && self.may_hold_out_of_reach(ask, now);
+        let out_of_reach =
+            !discard && (self.may_hold_out_of_reach(ask, now) || self.copy_beyond_reach(client_id));
         if !discard && self.claim_own_copy(client_id, None) {
             peers.push(THIS_NODE);
         }

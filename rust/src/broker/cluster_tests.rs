@@ -4896,6 +4896,7 @@ fn a_session_fenced_with_its_connection_open_gives_way_without_taking_the_newer_
     // "s" connected on node 0; a split long enough for node 1 to take it over from its
     // copy, and the client (or a second device with its id) connects there too.
     let (mut n, mut disks) = copying_nodes(2, &[0, 1], 5_000);
+    both_sides_act(&mut n);
     let old = connect_on(&mut n, 0, persistent_v5("s"));
     n.h[0].subscribe(old, "cmd/#", QoS::AtLeastOnce);
     settle_and_sync(&mut n, &mut disks);
@@ -5869,10 +5870,11 @@ fn qos2_a_home_that_loses_one_peer_of_three_sends_at_once() {
 
 #[test]
 fn a_node_cut_off_from_the_majority_neither_resumes_nor_takes_over_from_its_copies() {
-    // Node 2 holds dev's copy (m1 queued); cut off alone, it may not act on it: dev's home
-    // lives on beyond the split as far as it can tell. Dev starts afresh there. In touch
-    // with node 1 again (a majority without node 0), it takes the other session of node 0
-    // it holds a copy of, "lamp", over, once that has lasted the takeover time.
+    // Node 2 holds the copies of node 0's "dev" (m1 queued) and "lamp"; cut off alone, it
+    // may not act on them: node 0 lives on beyond the split as far as it can tell. Dev is
+    // refused there (0x88), not given a fresh session that would leave m1 in the copy. In
+    // touch with node 1 again (a majority without node 0), it takes both over once that
+    // has lasted the takeover time (its copies may be stale until every link is back).
     let (mut n, mut disks) = copying_nodes(3, &[0, 2], 5_000);
     offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
     offline_session(&mut n, 0, persistent_v5("lamp"), QoS::AtLeastOnce);
@@ -5888,14 +5890,15 @@ fn a_node_cut_off_from_the_majority_neither_resumes_nor_takes_over_from_its_copi
     }
     assert_eq!(serve_copy_loads(&mut n.h[2], &disks[2]), 0);
     assert_eq!(n.h[2].e.replica_stats().takeovers, 0);
-    let fresh = n.h[2].open_connect(persistent_v5("dev"));
+    let refused = n.h[2].open_connect(persistent_v5("dev"));
     settle_and_sync(&mut n, &mut disks);
     assert_eq!(serve_copy_loads(&mut n.h[2], &disks[2]), 0);
-    let got = n.h[2].recv_one(fresh);
-    assert!(!connack(&got).session_present, "{got:?}");
-    assert!(payloads(&got[1..]).is_empty(), "{got:?}");
-    let now = n.h[2].now;
-    n.h[2].e.closed(fresh, now);
+    let got = n.h[2].recv_one(refused);
+    assert!(
+        matches!(got.as_slice(), [Packet::ConnAck(a)] if a.reason_code == 0x88),
+        "{got:?}"
+    );
+    assert_eq!(n.h[2].e.session_held("dev"), None);
     // Node 0 is gone for good; node 2 and node 1 are a majority again. Node 2's copies
     // may be stale (what changed meanwhile comes with the links of the nodes still out of
     // reach): it waits the takeover time, then takes "lamp" over.
@@ -5908,6 +5911,7 @@ fn a_node_cut_off_from_the_majority_neither_resumes_nor_takes_over_from_its_copi
     tick_after(&mut n, 2, 5_000);
     serve_copy_loads(&mut n.h[2], &disks[2]);
     settle_and_sync(&mut n, &mut disks);
-    assert_eq!(n.h[2].e.replica_stats().takeovers, 1);
+    assert_eq!(n.h[2].e.replica_stats().takeovers, 2);
+    assert_eq!(n.h[2].e.session_held("dev"), Some(false));
     assert_eq!(n.h[2].e.session_held("lamp"), Some(false));
 }
