@@ -561,6 +561,50 @@ def test_a_node_restarted_while_a_peer_is_out_of_reach_keeps_publishes_for_its_s
             c.disconnect()
 
 
+def test_a_node_cut_off_alone_resumes_no_session_from_its_copy(tmp_path):
+    """n3 holds the copy of a session homed on n1 (a QoS 2 message queued for it) and is
+    cut off alone. The home may live on beyond the split as far as n3 can tell, so n3 does
+    not resume the session from its copy (the client would get again there what the home
+    gave it meanwhile) nor give it a fresh one (which would leave the message in the copy):
+    it refuses the CONNECT (0x88), past the failure timeout too. After the heal the
+    session resumes with the message, once."""
+    with Cluster(tmp_path) as cluster:
+        n1, n2, n3 = start_cluster(cluster, 3)
+        owners = compute_map(["n1", "n2", "n3"]).replicas
+        dev = next(
+            cid
+            for cid in (unique("dev") for _ in range(1000))
+            if set(owners[partition_of(cid.encode(), len(owners))]) == {"n1", "n3"}
+        )
+        topic = unique("side")
+        expiry = {"SessionExpiryInterval": 300}
+        sub = Client(endpoint(n1), client_id=dev, version=5, clean=False, props=expiry)
+        sub.connect()
+        sub.subscribe(topic, qos=2)
+        sub.disconnect()
+        wait_rows(n2, "n1", 1)
+        publisher = Client(endpoint(n2), client_id=unique("sidepub"), version=5)
+        publisher.connect()
+        # Acknowledged once n1 and n3 (the copy) have it (ack_replicas = 2).
+        all_acknowledged([publisher.publish(topic, b"m1", qos=2, wait=False)], 10)
+        n3.block(["n1", "n2"])
+        wait_for(lambda: not plane(n3, "n1")["up"] and not plane(n3, "n2")["up"], 5, "cut", n3)
+        # Past the claim's wait for a silent home (the failure timeout and 2 s), a node
+        # that acts would answer from its copy.
+        time.sleep(4.5)
+        there = Client(endpoint(n3), client_id=dev, version=5, clean=False, props=expiry)
+        there.connect(expect_rc=0x88)
+        there.close()
+        n3.block([])
+        wait_for(lambda: links_up(n3, ["n1", "n2"]), 20, "links back", n1, n3)
+        back = Client(endpoint(n1), client_id=dev, version=5, clean=False, props=expiry)
+        assert back.connect().session_present
+        assert [m.payload for m in back.expect(1, 5.0)] == [b"m1"]
+        assert back.drain(1.0) == []
+        for c in (back, publisher):
+            c.disconnect()
+
+
 def test_a_client_kicked_through_one_node_loses_its_connection_and_session_on_another(nodes):
     n1, n2, n3 = nodes
     expiry = {"SessionExpiryInterval": 300}
