@@ -40,6 +40,7 @@ from fastbroker.cluster.transport import Transport, parse_address
 pytestmark = pytest.mark.timeout(180)
 
 NODES = 3
+EXPIRY = {"SessionExpiryInterval": 300}
 
 
 def endpoint(node: Node) -> Any:
@@ -88,6 +89,15 @@ def wait_rows(node: Node, peer: str, at_least: int) -> None:
 
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def parked_session(node: Node, client_id: str, topic: str, qos: int) -> None:
+    """A persistent MQTT 5 session (expiry 300 s) subscribed to `topic` on `node`, its
+    client gone."""
+    sub = Client(endpoint(node), client_id=client_id, version=5, clean=False, props=EXPIRY)
+    sub.connect()
+    sub.subscribe(topic, qos=qos)
+    sub.disconnect()
 
 
 def round_trip(publisher_node: Node, subscriber_node: Node, payload: bytes) -> bool:
@@ -536,11 +546,8 @@ def test_a_node_restarted_while_a_peer_is_out_of_reach_keeps_publishes_for_its_s
     with Cluster(tmp_path) as cluster:
         _, n2, n3 = start_cluster(cluster, 3)
         topic, session = unique("rows"), unique("dev")
-        expiry = {"SessionExpiryInterval": 300}
-        sub = Client(endpoint(n2), client_id=session, version=5, clean=False, props=expiry)
-        sub.connect()
-        sub.subscribe(topic, qos=1)
-        sub.disconnect()
+        expiry = EXPIRY
+        parked_session(n2, session, topic, 1)
         wait_rows(n3, "n2", 1)
         n3.kill()
         n2.block(["n3"])
@@ -577,11 +584,8 @@ def test_a_node_cut_off_alone_resumes_no_session_from_its_copy(tmp_path):
             if set(owners[partition_of(cid.encode(), len(owners))]) == {"n1", "n3"}
         )
         topic = unique("side")
-        expiry = {"SessionExpiryInterval": 300}
-        sub = Client(endpoint(n1), client_id=dev, version=5, clean=False, props=expiry)
-        sub.connect()
-        sub.subscribe(topic, qos=2)
-        sub.disconnect()
+        expiry = EXPIRY
+        parked_session(n1, dev, topic, 2)
         wait_rows(n2, "n1", 1)
         publisher = Client(endpoint(n2), client_id=unique("sidepub"), version=5)
         publisher.connect()
@@ -1521,11 +1525,8 @@ def test_a_node_cut_off_from_a_sessions_new_home_reaches_it_through_the_old_one(
         n1, n2, n3 = start_cluster(cluster, 3)
         topic = unique("cutoff")
         cid = unique("cutoffsub")
-        expiry = {"SessionExpiryInterval": 300}
-        first = Client(endpoint(n1), client_id=cid, version=5, clean=False, props=expiry)
-        first.connect()
-        first.subscribe(topic, qos=1)
-        first.disconnect()
+        expiry = EXPIRY
+        parked_session(n1, cid, topic, 1)
         wait_rows(n3, "n1", 1)
         n3.block(["n2"])
         wait_for(lambda: not links_up(n2, ["n3"]), 10, "n2's link to n3 down", n2, n3)

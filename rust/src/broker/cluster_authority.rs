@@ -1,5 +1,5 @@
 //! Which side of a split may act on what both sides hold (docs/cluster-sessions.md,
-//! "Splits: one side delivers what both hold").
+//! "Splits: one side acts on what both hold").
 //!
 //! A home and the owners of its session's copies can end on two sides of a split. Until the
 //! split, a QoS 2 PUBLISH or PUBREL leaves the home only once the owners hold its flight
@@ -12,9 +12,9 @@
 //! sorts first). There, a home sends past owners out of reach and copies are served (the
 //! behaviour a killed node meets: nothing changes while a majority stands). Elsewhere a
 //! home holds such output until the owners are back or the map drops them, and a copy is
-//! neither resumed, nor answered for, nor taken over: the client starts afresh on that side
-//! and the versions merge after the heal. A last survivor of a lost majority acts again once
-//! `fastbroker cluster recover` has made it the only member.
+//! neither resumed (the CONNECT is refused, 0x88), nor answered for, nor taken over. A last
+//! survivor of a lost majority acts again once `fastbroker cluster recover` has made it the
+//! only member.
 
 use std::collections::BTreeSet;
 
@@ -42,8 +42,8 @@ impl Engine {
     /// break for the takeover time if it did not once. A node back from a split gets its
     /// links back one at a time: with the first it may count a majority while the homes
     /// it was cut off from are still down here and its copies of their sessions stale
-    /// (what changed meanwhile comes with their links); it took such sessions over, and
-    /// a client that had moved on lost its subscriptions to the version that came of it.
+    /// (what changed meanwhile comes with their links), and could take such sessions over
+    /// (a fault run lost a client's subscriptions that way, it seems).
     pub(super) fn acts_on_copies(&self) -> bool {
         if !self.authoritative() {
             return false;
