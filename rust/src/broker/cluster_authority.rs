@@ -52,6 +52,15 @@ impl Engine {
             && self.last_now >= self.replicas.acting_since + self.cfg.cluster_takeover_ms
     }
 
+    /// Whether QoS 2 output may pass owners out of reach: this side acts (counting the
+    /// peers in reach), and has for the takeover time if it did not once. A home back
+    /// from a split gets its links back one at a time, and the owner still out of reach
+    /// may have made a newer version of a session meanwhile: its client, resuming here,
+    /// got again what it had completed there (the long schedule, seed 41).
+    pub(super) fn gates_pass_down_owners(&self) -> bool {
+        self.authoritative_in_reach() && self.acts_on_copies()
+    }
+
     /// Whether this node holds a copy of `client_id`'s session whose home is out of reach,
     /// and no session of it, and may not act on the copy: the session lives on beyond a
     /// split (or beyond a lost majority, until `cluster recover`). A CONNECT resuming it is

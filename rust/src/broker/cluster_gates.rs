@@ -94,7 +94,7 @@ impl Engine {
                 .iter()
                 .any(|f| f.delivery.qos == QoS::ExactlyOnce)
         });
-        if !qos2 || self.authoritative_in_reach() {
+        if !qos2 || self.gates_pass_down_owners() {
             return;
         }
         let client = self.session(sid).expect("checked").client_id.clone();
@@ -117,7 +117,7 @@ impl Engine {
         if self.gates.held.is_empty() {
             return;
         }
-        let acts = self.authoritative_in_reach();
+        let acts = self.gates_pass_down_owners();
         let waiting: HashSet<ConnId> = if !self.any_unconfirmed() {
             HashSet::new()
         } else {

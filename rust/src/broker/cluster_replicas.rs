@@ -1567,6 +1567,8 @@ impl Engine {
     /// is the first owner up to take over (at most once per down period of a peer).
     pub(super) fn replicas_tick(&mut self, now: u64) {
         self.note_acting(now);
+        // Output held past owners out of reach goes once this side has acted long enough.
+        self.release_gates();
         self.promote_listed(now);
         self.stream_copies();
         self.watch_copies(now);

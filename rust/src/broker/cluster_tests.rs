@@ -5915,3 +5915,36 @@ fn a_node_cut_off_from_the_majority_neither_resumes_nor_takes_over_from_its_copi
     assert_eq!(n.h[2].e.session_held("dev"), Some(false));
     assert_eq!(n.h[2].e.session_held("lamp"), Some(false));
 }
+
+#[test]
+fn qos2_in_flight_on_a_home_back_from_a_split_waits_for_the_owner_still_out_of_reach() {
+    // Seen in the long schedule (seed 41): the cut-off home got its link to node 2 back
+    // first, counted a majority, and sent a resuming client its QoS 2 flows again, while
+    // node 1, the copy's owner still out of reach, had made a newer version of the session
+    // that the client had completed them with. It now waits for node 1 (or the takeover
+    // time of acting again).
+    let (mut n, mut disks, dev, _, publisher) = dev_other_and_publisher(QoS::ExactlyOnce);
+    n.h[0].e.cfg.cluster_takeover_ms = 5_000;
+    n.mute.extend_from_slice(&[(0, 1), (1, 0), (0, 2), (2, 0)]);
+    let packet = super::tests::publish_packet("cmd/dev", "m1", QoS::ExactlyOnce, false, 1);
+    n.h[0].send(publisher, Packet::Publish(packet));
+    settle_and_sync(&mut n, &mut disks);
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    n.mute.clear();
+    for _ in 0..3 {
+        tick_after(&mut n, 0, 2_000);
+        settle_and_sync(&mut n, &mut disks);
+    }
+    assert!(payloads(&n.h[0].recv_one(dev)).is_empty());
+    let now = n.h[0].now;
+    n.h[0].e.closed(dev, now);
+    n.heal_link(0, 2);
+    settle_and_sync(&mut n, &mut disks);
+    tick_after(&mut n, 0, 100);
+    let back = n.h[0].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert!(payloads(&got[1..]).is_empty(), "{got:?}");
+}
