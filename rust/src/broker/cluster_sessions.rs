@@ -1016,8 +1016,13 @@ impl Engine {
             return;
         };
         if let Some(best) = claim.best_copy.take() {
-            // The most current copy, unless the live home answered (its session is here).
-            if !self.by_client.contains_key(client_id) {
+            // The most current copy, unless the live home answered (its session is here),
+            // or this side no longer acts on copies: a split is found one link at a time,
+            // and a copy read back when the home's link went down, the others still up,
+            // would be resumed here once the last one closed (`cluster_authority`).
+            if !self.acts_on_copies() {
+                claim.out_of_reach = true;
+            } else if !self.by_client.contains_key(client_id) {
                 let pairs: Vec<(&[u8], &[u8])> =
                     best.records.iter().map(|(k, v)| (&k[..], &v[..])).collect();
                 self.install_claimed(best.from, client_id, &pairs, &best.marks, now);

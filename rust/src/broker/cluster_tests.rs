@@ -4302,8 +4302,10 @@ fn a_session_taken_over_on_a_node_cut_off_from_its_live_home_gets_what_that_home
     // the session over (the answer waits in its queue for node 1), and node 1, finding its
     // links down, resumes the session from its copy. When the split heals the answer
     // arrives, late: what node 0 had queued is delivered, once, in order.
-    // Node 1 is the partition's first owner: it stamps its own claims.
+    // Node 1 is the partition's first owner: it stamps its own claims. (With the majority
+    // rule node 1 refuses instead: `a_node_cut_off_as_its_links_close_one_by_one_...`.)
     let (mut n, mut disks) = copying_nodes(3, &[1, 0], 0);
+    both_sides_act(&mut n);
     offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
     let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
     n.h[2].publish(publisher, "cmd/dev", "m0", QoS::AtLeastOnce, false);
@@ -5947,4 +5949,40 @@ fn qos2_in_flight_on_a_home_back_from_a_split_waits_for_the_owner_still_out_of_r
     let got = n.h[0].recv_one(back);
     assert!(connack(&got).session_present, "{got:?}");
     assert!(payloads(&got[1..]).is_empty(), "{got:?}");
+}
+
+#[test]
+fn a_node_cut_off_as_its_links_close_one_by_one_resumes_no_session_from_its_copy() {
+    // Seen in a 90 s run of long splits (seed 13): node 0, cut off alone, got a CONNECT
+    // before its links were found down; the claim waited. The home's link (node 1) closed
+    // first: with node 2's still up this side counted a majority and read its copy back;
+    // once node 2's closed too the claim resumed the session from that copy, and after the
+    // heal it sent the client again 19 QoS 2 messages it had completed on the other side.
+    let (mut n, mut disks) = copying_nodes(3, &[2, 0], 5_000);
+    offline_session(&mut n, 1, persistent_v5("dev"), QoS::ExactlyOnce);
+    let publisher = connect_on(&mut n, 1, super::tests::connect("pub", Protocol::V5, true));
+    let packet = super::tests::publish_packet("cmd/dev", "m1", QoS::ExactlyOnce, false, 1);
+    n.h[1].send(publisher, Packet::Publish(packet));
+    settle_and_sync(&mut n, &mut disks);
+    for i in 0..3 {
+        tick_after(&mut n, i, 6_000);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    n.mute.extend_from_slice(&[(0, 1), (1, 0), (0, 2), (2, 0)]);
+    let back = n.h[0].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    n.cut_link(0, 1);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(serve_copy_loads(&mut n.h[0], &disks[0]), 1);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(n.h[0].recv_one(back).is_empty());
+    n.cut_link(0, 2);
+    n.mute.clear();
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv_one(back);
+    assert!(
+        matches!(got.as_slice(), [Packet::ConnAck(a)] if a.reason_code == 0x88),
+        "{got:?}"
+    );
+    assert_eq!(n.h[0].e.session_held("dev"), None);
 }
