@@ -1017,10 +1017,12 @@ impl Engine {
         };
         if let Some(best) = claim.best_copy.take() {
             // The most current copy, unless the live home answered (its session is here),
-            // or this side no longer acts on copies: a split is found one link at a time,
-            // and a copy read back when the home's link went down, the others still up,
-            // would be resumed here once the last one closed (`cluster_authority`).
-            if !self.acts_on_copies() {
+            // or it is this node's own and this side no longer acts on copies: a split is
+            // found one link at a time, and a copy read back when the home's link went
+            // down, the others still up, would be resumed here once the last one closed
+            // (`cluster_authority`). It stays here as a copy. (A peer that answered from
+            // its copy dropped it: that one is installed, not lost.)
+            if best.from == THIS_NODE && !self.acts_on_copies() {
                 claim.out_of_reach = true;
             } else if !self.by_client.contains_key(client_id) {
                 let pairs: Vec<(&[u8], &[u8])> =

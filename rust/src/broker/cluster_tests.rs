@@ -5985,4 +5985,6 @@ fn a_node_cut_off_as_its_links_close_one_by_one_resumes_no_session_from_its_copy
         "{got:?}"
     );
     assert_eq!(n.h[0].e.session_held("dev"), None);
+    // Kept as a copy: a later takeover (this side acting again) still has it.
+    assert_eq!(n.h[0].e.replica_stats().copies, 1);
 }
