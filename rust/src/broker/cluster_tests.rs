@@ -5964,10 +5964,12 @@ fn a_node_cut_off_as_its_links_close_one_by_one_resumes_no_session_from_its_copy
     let packet = super::tests::publish_packet("cmd/dev", "m1", QoS::ExactlyOnce, false, 1);
     n.h[1].send(publisher, Packet::Publish(packet));
     settle_and_sync(&mut n, &mut disks);
+    // Past the takeover time since the map: every node acts on copies.
     for i in 0..3 {
         tick_after(&mut n, i, 6_000);
     }
     settle_and_sync(&mut n, &mut disks);
+    // The split begins: frames are lost, the links not yet found down.
     n.mute.extend_from_slice(&[(0, 1), (1, 0), (0, 2), (2, 0)]);
     let back = n.h[0].open_connect(persistent_v5("dev"));
     settle_and_sync(&mut n, &mut disks);
