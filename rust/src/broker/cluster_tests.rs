@@ -5946,9 +5946,7 @@ fn qos2_in_flight_on_a_home_back_from_a_split_waits_for_the_owner_still_out_of_r
     tick_after(&mut n, 0, 100);
     let back = n.h[0].open_connect(persistent_v5("dev"));
     settle_and_sync(&mut n, &mut disks);
-    let got = n.h[0].recv_one(back);
-    assert!(connack(&got).session_present, "{got:?}");
-    assert!(payloads(&got[1..]).is_empty(), "{got:?}");
+    assert_resumed(&mut n, 0, back, &[]);
 }
 
 #[test]
