@@ -90,6 +90,10 @@ const ROUTE_MS: u64 = 1_000;
 /// Ids a moved session remembers at most (past that, a repeat can get through).
 const RECENT_MAX: usize = 1 << 16;
 
+/// A message caught for a claimed session: the message, its QoS, retain flag and
+/// subscription ids.
+type EarlyMessage = (Arc<Message>, QoS, bool, Vec<u32>);
+
 /// A CONNECT of this node waiting for the answers to its claim.
 struct Claim {
     conn: ConnId,
@@ -104,7 +108,7 @@ struct Claim {
     deadline: u64,
     /// Messages for the session on its way here that reached this node first (through an
     /// old relay of it, or relayed before it arrived): delivered to it once installed.
-    early: Vec<(Arc<Message>, QoS, bool, Vec<u32>)>,
+    early: Vec<EarlyMessage>,
     /// The owner asked to stamp the claim, and the request's number, until it answers
     /// (`stamp` is zero meanwhile: every peer's claim counts as newer and waits), or until
     /// `route_until`: then the next owner in reach is asked.
@@ -1052,13 +1056,16 @@ impl Engine {
                 self.claims.won.insert(sid, claim.stamp);
             }
         }
-        if !clean {
+        match self.by_client.get(&id).copied() {
             // After what the session brought (a clean start wanted none of it).
-            if let Some(&sid) = self.by_client.get(&id) {
+            Some(sid) if !clean => {
                 for (msg, qos, retain, sub_ids) in claim.early {
                     self.deliver(sid, &msg, qos, retain, sub_ids, now);
                 }
             }
+            Some(_) => {}
+            // Refused: the session stays where it is, and so goes what was caught for it.
+            None => self.pass_on_early(&id, claim.early, now),
         }
         if live && run {
             // What the client sent while it waited is handled now.
@@ -1073,6 +1080,49 @@ impl Engine {
         };
         for (peer, id, stamp, discard) in deferred {
             self.serve_claim(peer, &id, stamp, discard, now);
+        }
+    }
+
+    /// Messages a refused claim caught for its session (`Claim::early`) go on to where the
+    /// session is, if this node relays for it; otherwise nothing here knows where it went.
+    fn pass_on_early(&mut self, client_id: &str, early: Vec<EarlyMessage>, now: u64) {
+        if early.is_empty() {
+            return;
+        }
+        let Some(peer) = self.relay_of(client_id) else {
+            self.event(
+                "relay_dropped",
+                Arc::from(client_id),
+                format!("{} messages caught for a refused claim", early.len()),
+            );
+            return;
+        };
+        for (msg, qos, retain, sub_ids) in early {
+            let kind = SessionMessageKind::Relayed;
+            self.relay_to(peer, client_id, &msg, qos, retain, &sub_ids, kind, now);
+        }
+    }
+
+    /// Sends a message of session `client_id` on to `peer`, where the session went.
+    #[allow(clippy::too_many_arguments)]
+    fn relay_to(
+        &mut self,
+        peer: PeerId,
+        client_id: &str,
+        msg: &Arc<Message>,
+        qos: QoS,
+        retain: bool,
+        sub_ids: &[u32],
+        kind: SessionMessageKind,
+        now: u64,
+    ) {
+        self.claims.stats.relayed += 1;
+        self.cluster
+            .queue_session_message(peer, client_id, msg, qos, retain, sub_ids, kind, now);
+        if qos != QoS::AtMostOnce {
+            // Kept on disk with the write that acknowledges it to its sender.
+            self.cluster.seal_for(peer);
+            self.store_outgoing(peer);
         }
     }
 
@@ -1435,22 +1485,8 @@ impl Engine {
         if skip {
             return false;
         }
-        self.claims.stats.relayed += 1;
-        self.cluster.queue_session_message(
-            peer,
-            &client_id,
-            msg,
-            qos,
-            retain,
-            &sub_ids,
-            SessionMessageKind::Relayed,
-            now,
-        );
-        if qos != QoS::AtMostOnce {
-            // Kept on disk with the write that acknowledges it to its sender.
-            self.cluster.seal_for(peer);
-            self.store_outgoing(peer);
-        }
+        let kind = SessionMessageKind::Relayed;
+        self.relay_to(peer, &client_id, msg, qos, retain, &sub_ids, kind, now);
         true
     }
 
@@ -1482,13 +1518,7 @@ impl Engine {
             if let Some(peer) = self.relay_of(client_id) {
                 // The session moved on from here meanwhile: so does this (relays point to
                 // where the session went next, so the chain ends where it is).
-                self.claims.stats.relayed += 1;
-                self.cluster
-                    .queue_session_message(peer, client_id, &msg, qos, retain, &sub_ids, kind, now);
-                if qos != QoS::AtMostOnce {
-                    self.cluster.seal_for(peer);
-                    self.store_outgoing(peer);
-                }
+                self.relay_to(peer, client_id, &msg, qos, retain, &sub_ids, kind, now);
                 return;
             }
             self.event(

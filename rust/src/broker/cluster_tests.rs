@@ -1455,6 +1455,32 @@ fn a_session_that_comes_straight_back_gets_what_its_old_relay_caught_meanwhile()
     assert!(n.h[2].recv().is_empty());
 }
 
+#[test]
+fn a_claim_refused_as_out_of_reach_passes_on_what_the_old_relay_caught_meanwhile() {
+    // The session moved from node 0 to node 1; node 2 has not heard (it still routes to
+    // node 0, which relays). The client comes back to node 0, and node 1's link goes down
+    // before it answers: the claim is refused. What node 0 caught for the session while the
+    // claim waited goes on along the relay, not with the refused claim.
+    let (mut n, publisher, _) = roamer_resumes_on_node1_unheard_by_node2(LATEST, QoS::AtLeastOnce);
+    n.mute.push((0, 1));
+    let again = n.h[0].open_connect(super::tests::connect("roamer", Protocol::V311, false));
+    n.settle();
+    n.h[2].publish(publisher, "cmd/roamer", "caught", QoS::AtLeastOnce, false);
+    n.settle();
+    assert!(n.h[0].recv_one(again).is_empty());
+    n.mute.clear();
+    n.cut_link(0, 1);
+    n.settle();
+    assert_eq!(connack(&n.h[0].recv_one(again)).reason_code, 0x88);
+    assert_eq!(n.h[0].e.claim_stats().relayed, 1);
+    // Back in touch, node 1 gets the claim again (it was never acknowledged) before the
+    // message, and its session goes to node 0, the message after it.
+    n.heal_link(0, 1);
+    assert_eq!(n.h[1].e.session_count(), 0);
+    let last = n.h[0].open_connect(super::tests::connect("roamer", Protocol::V311, false));
+    n.settle();
+    assert_resumed(&mut n, 0, last, &["caught"]);
+}
 // ---- copies of sessions on their partition's owners (broker::cluster_replicas) ----
 
 /// Durable nodes speaking this build's protocol, one partition owned by nodes `owners`
