@@ -523,6 +523,8 @@ impl PyEngine {
         d.set_item("kept_read_back", s.kept_read_back)?;
         d.set_item("kept_waits_timed_out", s.kept_waits_timed_out)?;
         d.set_item("kept_reordered", s.kept_reordered)?;
+        d.set_item("relay_waits", s.relay_waits)?;
+        d.set_item("relay_waits_timed_out", s.relay_waits_timed_out)?;
         d.set_item("taken_told", s.taken_told)?;
         d.set_item("refused_out_of_reach", s.refused_out_of_reach)?;
         let (r, known) = self.inner.registry_stats();

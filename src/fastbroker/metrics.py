@@ -455,6 +455,17 @@ class BrokerCollector:
             claims["kept_reordered"],
         )
         yield counter(
+            "cluster_relay_waits",
+            "Sessions that moved here from a live node held from the first message of a "
+            "publishing node that came straight here until the old node's relayed copy came",
+            claims["relay_waits"],
+        )
+        yield counter(
+            "cluster_relay_waits_timed_out",
+            "Such holds that ended after 2 s without the relayed copy",
+            claims["relay_waits_timed_out"],
+        )
+        yield counter(
             "cluster_taken_lists_told",
             "Lists of what a session that came here (or whose client came back here) in the "
             "last 30 s took, told to a node whose link came back (its version of the session, "

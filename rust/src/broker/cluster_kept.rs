@@ -59,7 +59,7 @@ const KEPT_PROTOCOL: u16 = 7;
 pub(super) const KEPT_END_PROTOCOL: u16 = 12;
 /// How long a session waits at most for an asked node's answer to end: a node that stays
 /// up but silent (overloaded) does not stall the session for longer.
-const KEPT_WAIT_MS: u64 = 2_000;
+pub(super) const KEPT_WAIT_MS: u64 = 2_000;
 /// Kept ids a session remembers at most (16 bytes each).
 pub(super) const KEPT_MAX: usize = 1 << 20;
 /// The first that tells a peer what a session's version took (`TakenIds`).
@@ -223,7 +223,7 @@ impl Engine {
                 done.push((sid, false));
                 continue;
             };
-            let had = !recent.kept_waits.is_empty();
+            let had = !recent.kept_waits.is_empty() || !recent.relay_waits.is_empty();
             let mut timed_out = 0;
             let untold = &recent.untold;
             recent.kept_waits.retain(|&(key, until)| {
@@ -234,7 +234,22 @@ impl Engine {
                 waited && now < until
             });
             self.claims.stats.kept_waits_timed_out += timed_out;
-            if recent.kept_waits.is_empty() {
+            // A relayed copy (`cluster_relay_order`) comes only while the old home is up.
+            let home_up = c
+                .peer_by_key(recent.relayed_by)
+                .is_some_and(|p| c.peer_up(p));
+            let mut timed_out = 0;
+            recent.relay_waits.retain(|&(_, until)| {
+                timed_out += u64::from(home_up && now >= until);
+                home_up && now < until
+            });
+            self.claims.stats.relay_waits_timed_out += timed_out;
+            if timed_out > 0 {
+                // A home that did not relay in time (stalled, or its relay ended) holds this
+                // session up no more.
+                recent.relayed_by = 0;
+            }
+            if recent.kept_waits.is_empty() && recent.relay_waits.is_empty() {
                 done.push((sid, had));
             }
         }
@@ -249,7 +264,12 @@ impl Engine {
     /// Session `sid` waits for no answer any more: its queue's messages of each publishing
     /// node go back in that node's order (in the places they hold, the stored ones among
     /// the stored), then what can be sent goes.
-    fn send_after_kept(&mut self, sid: SessionId, now: u64) {
+    pub(super) fn send_after_kept(&mut self, sid: SessionId, now: u64) {
+        let recent = self.session(sid).and_then(|s| s.recent.as_ref());
+        if recent.is_some_and(|r| !r.relay_waits.is_empty()) {
+            // Still held for an old home's relay (`cluster_relay_order`): sent after that.
+            return;
+        }
         self.claims.kept_holds.retain(|&s| s != sid);
         self.queue_in_origin_order(sid, now);
         self.pump(sid, now);

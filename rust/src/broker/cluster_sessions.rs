@@ -203,8 +203,13 @@ pub struct ClaimStats {
     /// Answers to this node's asks for kept messages that did not end in `KEPT_WAIT_MS`
     /// (the session went on without them: what they bring after may be out of order).
     pub kept_waits_timed_out: u64,
-    /// Queued messages put back in their publishing node's order once those answers ended.
+    /// Queued messages put back in their publishing node's order once those answers ended
+    /// (or once an old home's relay caught up, `cluster_relay_order`).
     pub kept_reordered: u64,
+    /// Messages that came straight to a session that moved here, held until the old home's
+    /// relayed copy came (`cluster_relay_order`); and holds that ended without it.
+    pub relay_waits: u64,
+    pub relay_waits_timed_out: u64,
     /// Lists of what a session that came here (or whose client came back here) in the last
     /// `RECENT_MS` took, told to a peer whose link came up (`TakenIds`).
     pub taken_told: u64,
@@ -765,6 +770,9 @@ impl Engine {
             if let Some(s) = session.and_then(|sid| self.session_mut(sid)) {
                 let recent = s.recent.get_or_insert_with(Default::default);
                 recent.relay_home = home;
+                recent.relayed_by = home;
+                // The old home's relay ends at the latest this long after it handed over.
+                recent.relayed_until = now + RELAY_MAX_MS - RELAY_MS / 2;
             }
             self.claims.releases.push(RelayRelease {
                 client_id: Arc::from(client_id),
@@ -996,6 +1004,7 @@ impl Engine {
         if now >= recent.until {
             if recent.kept_from == 0
                 && recent.kept_waits.is_empty()
+                && recent.relay_waits.is_empty()
                 && recent.twin.is_empty()
                 && recent.untold.is_empty()
             {
@@ -1314,6 +1323,9 @@ impl Engine {
         session.inflight_ids = None;
         session.inbound_qos2 = Default::default();
         session.pending_will = None;
+        if let Some(recent) = session.recent.as_mut() {
+            recent.relay_waits.clear();
+        }
         let id = session.client_id.clone();
         if self.by_client.get(&id) == Some(&sid) {
             self.by_client.remove(&id);
@@ -1408,6 +1420,8 @@ impl Engine {
         for r in releases {
             if r.rows <= held {
                 self.cluster.queue_relay_end(r.home, &r.client_id);
+                // It relays for `RELAY_MS` more once it hears this.
+                self.relay_order_ends(&r.client_id, now + RELAY_MS / 2);
                 continue;
             }
             if now >= r.until {
@@ -1543,6 +1557,9 @@ impl Engine {
         self.deliver(sid, &msg, qos, retain, sub_ids, now);
         if kind == SessionMessageKind::Kept {
             self.note_kept(sid, id);
+        }
+        if kind == SessionMessageKind::Relayed {
+            self.relayed_copy_came(sid, id, key, now);
         }
     }
 }

@@ -14,6 +14,7 @@ mod cluster_gates;
 mod cluster_kept;
 mod cluster_kept_store;
 mod cluster_registry;
+mod cluster_relay_order;
 mod cluster_replicas;
 mod cluster_retained;
 mod cluster_sessions;

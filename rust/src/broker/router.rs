@@ -455,6 +455,11 @@ impl Engine {
                 count += 1;
                 continue;
             }
+            if let Scope::Forwarded { from, also, .. } = scope {
+                if i < plain_targets {
+                    self.wait_for_relay(sid, msg.id, from, also, now);
+                }
+            }
             if self.deliver(sid, &msg, qos, retain, ids, now) {
                 count += 1;
             }
@@ -576,9 +581,10 @@ impl Engine {
         if session
             .recent
             .as_ref()
-            .is_some_and(|r| !r.kept_waits.is_empty())
+            .is_some_and(|r| !r.kept_waits.is_empty() || !r.relay_waits.is_empty())
         {
-            // Waiting for older messages kept for its dead home (`cluster_kept`).
+            // Waiting for older messages kept for its dead home (`cluster_kept`), or relayed
+            // by the live home it came from (`cluster_relay_order`).
             return None;
         }
         let conn = self.conn(session.conn?)?;

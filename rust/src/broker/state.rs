@@ -308,6 +308,18 @@ pub struct RecentIds {
     /// or none): a batch on its way there as a split began reaches it only once the split
     /// heals, and is relayed here then (broker::cluster_sessions).
     pub relay_home: u64,
+    /// The live home it came from (its key, 0: none) and until when (monotonic ms) its
+    /// relay may bring older messages of a publishing node than that node sends here
+    /// straight (broker::cluster_relay_order).
+    pub relayed_by: u64,
+    pub relayed_until: u64,
+    /// Per publishing node, the first id that came here straight and went to that home
+    /// too, whose relayed copy has not come yet, and until when it is waited for:
+    /// meanwhile nothing new is sent to the client.
+    pub relay_waits: Vec<(u128, u64)>,
+    /// The publishing nodes (their keys) whose first such message's relayed copy came:
+    /// everything they sent the old home alone came before it.
+    pub relay_caught_up: Vec<u64>,
 }
 
 impl Session {

@@ -1,0 +1,112 @@
+//! A session that moved here from a live home gets a publishing node's messages in that
+//! node's order, though they come along two paths (issue 17).
+//!
+//! Until a publishing node has this node's route rows for the session, it sends the
+//! session's messages to the old home, which relays them here (`cluster_sessions`); once it
+//! has them, it sends here straight, and to the old home as well while that home's rows
+//! are there too (the message's `also` names it), which relays them once more (the session
+//! takes each id once). The first message that comes straight can overtake the last ones
+//! on the slower way through the old home. So the first message of a publishing node that
+//! comes here straight and went to the old home too is held (queued, nothing new sent to
+//! the client) until the old home's relayed copy of it comes: the old home relays in the
+//! order it got them, so everything the publishing node sent it alone came before. Then the
+//! queue's messages of each publishing node go back in that node's order
+//! (`queue_in_origin_order`) and are sent, and that node's messages are held no more (the
+//! later ones come straight in its order). A hold ends without its copy when the old
+//! home's link goes down, or after `KEPT_WAIT_MS` (a stalled old home, or one whose relay
+//! ended meanwhile: then none begins any more), and none begins once the old home may have
+//! ended its relay (`RecentIds::relayed_until`).
+
+use super::cluster::PeerId;
+use super::cluster_kept::KEPT_WAIT_MS;
+use super::state::SessionId;
+use super::Engine;
+
+impl Engine {
+    /// Message `id` came straight from `from` to session `sid` (plain subscription), and
+    /// went to the nodes with keys `also` too: if the old home it moved from is one, and it
+    /// is the first such of its publishing node, the session waits for its relayed copy.
+    pub(super) fn wait_for_relay(
+        &mut self,
+        sid: SessionId,
+        id: u128,
+        from: PeerId,
+        also: &[u64],
+        now: u64,
+    ) {
+        if id == 0 || also.is_empty() {
+            return;
+        }
+        let Some(recent) = self.session(sid).and_then(|s| s.recent.as_ref()) else {
+            return;
+        };
+        let home = recent.relayed_by;
+        let origin = (id >> 64) as u64;
+        if home == 0
+            || now >= recent.relayed_until
+            || recent.relay_caught_up.contains(&origin)
+            || recent
+                .relay_waits
+                .iter()
+                .any(|&(w, _)| (w >> 64) as u64 == origin)
+        {
+            return;
+        }
+        let c = &self.cluster;
+        if c.peer_key(from) == home
+            || !also.contains(&home)
+            || !c.peer_by_key(home).is_some_and(|p| c.peer_up(p))
+        {
+            return;
+        }
+        let recent = self
+            .session_mut(sid)
+            .and_then(|s| s.recent.as_mut())
+            .expect("checked");
+        if recent.ids.contains(&id) {
+            // Its relayed copy came first: so did everything before it.
+            recent.relay_caught_up.push(origin);
+            return;
+        }
+        recent.relay_waits.push((id, now + KEPT_WAIT_MS));
+        self.claims.stats.relay_waits += 1;
+        if !self.claims.kept_holds.contains(&sid) {
+            self.claims.kept_holds.push(sid);
+        }
+    }
+
+    /// The old home's relayed copy of message `id` came to session `sid` (from the node
+    /// with key `from`): the wait for it ends, and its publishing node is waited for no
+    /// more.
+    pub(super) fn relayed_copy_came(&mut self, sid: SessionId, id: u128, from: u64, now: u64) {
+        let Some(recent) = self.session_mut(sid).and_then(|s| s.recent.as_mut()) else {
+            return;
+        };
+        if id == 0 || recent.relayed_by != from || recent.relay_waits.is_empty() {
+            return;
+        }
+        let origin = (id >> 64) as u64;
+        let before = recent.relay_waits.len();
+        recent
+            .relay_waits
+            .retain(|&(w, _)| (w >> 64) as u64 != origin || w > id);
+        if recent.relay_waits.len() == before {
+            return;
+        }
+        recent.relay_caught_up.push(origin);
+        if recent.relay_waits.is_empty() && recent.kept_waits.is_empty() {
+            self.send_after_kept(sid, now);
+        }
+    }
+
+    /// The old home of session `client_id` may end its relay from `at` on: from then, what
+    /// comes straight is not held for it.
+    pub(super) fn relay_order_ends(&mut self, client_id: &str, at: u64) {
+        let Some(&sid) = self.by_client.get(client_id) else {
+            return;
+        };
+        if let Some(recent) = self.session_mut(sid).and_then(|s| s.recent.as_mut()) {
+            recent.relayed_until = recent.relayed_until.min(at);
+        }
+    }
+}
