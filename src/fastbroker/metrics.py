@@ -547,6 +547,12 @@ class BrokerCollector:
                 "sent PUBREL for, taken in flight here under the same packet id (only the "
                 "PUBREL goes to the client again)",
             ),
+            (
+                "cluster_copy_checks_sent",
+                "checks_out",
+                "Versions of sessions and copies told to a node whose link came up (one not "
+                "acknowledged yet is not told again: it goes again with its batch)",
+            ),
         ):
             yield counter(name, doc, copies[key])
         yield gauge(

@@ -777,6 +777,14 @@ impl Cluster {
         self.peer_ref(id).is_some_and(|p| p.up)
     }
 
+    /// Whether our reliable batch `seq` (of this incarnation) still waits for peer `id`'s
+    /// acknowledgement (it goes again when the link comes up).
+    pub(super) fn holds_batch(&self, id: PeerId, seq: u64) -> bool {
+        let epoch = self.epoch;
+        self.peer_ref(id)
+            .is_some_and(|p| p.out.iter().any(|o| o.seq == seq && o.epoch == epoch))
+    }
+
     /// The last of our reliable batches queued for peer `id` (0: none).
     pub(super) fn last_reliable(&self, id: PeerId) -> u64 {
         self.peer_ref(id).map_or(0, |p| p.next_seq - 1)
@@ -1513,7 +1521,7 @@ impl Engine {
                 // Their versions wait for the peer's answer to the checks below.
                 self.cut_off_sessions(id, now);
             }
-            self.queue_copy_checks(id);
+            self.queue_copy_checks(id, cut_off);
             self.ask_kept_on_link_up(id, now);
             self.wills_link_up(id);
             self.registry_link(id, true);

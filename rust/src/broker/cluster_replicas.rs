@@ -202,6 +202,8 @@ pub struct ReplicaStats {
     /// QoS 2 messages released to the client by a version of its session that gave way to
     /// the one here, taken in flight here under their packet id (`take_released`).
     pub released_taken: u64,
+    /// Versions of sessions and copies told to a peer whose link came up (`CopyCheck`).
+    pub checks_out: u64,
 }
 
 #[derive(Default)]
@@ -250,6 +252,11 @@ pub(super) struct Replicas {
     /// id, its store number). Should a peer turn out to lag, their sessions count as
     /// taken from there on (`promote_listed`).
     listed: VecDeque<(u64, SessionId, Arc<str>, u64)>,
+    /// By peer: the checks told it at its last link-ups (client id, version, the batch
+    /// they went in). One whose batch the peer has not acknowledged goes again with that
+    /// batch when the link comes up, so it is not queued once more: a peer that keeps
+    /// closing its link unacknowledged (its store failing) would get one more per link-up.
+    checks_sent: HashMap<PeerId, HashMap<Arc<str>, (Stamp, u64)>>,
     pub(super) stats: ReplicaStats,
 }
 
@@ -1385,8 +1392,11 @@ impl Engine {
 
     /// Tells peer `peer` (its link just came up) the versions of the sessions here whose
     /// partition it owns, and of the copies here of its sessions that this node no longer
-    /// owns (it releases them unless it still streams them to their new owners).
-    pub(super) fn queue_copy_checks(&mut self, peer: PeerId) {
+    /// owns (it releases them unless it still streams them to their new owners). A check
+    /// that goes again in a batch not acknowledged yet is not queued once more, unless
+    /// the link was down long enough (`cut_off`) for the peer to have made a newer version
+    /// since it read that check (its answer, not yet acknowledged either, could be older).
+    pub(super) fn queue_copy_checks(&mut self, peer: PeerId, cut_off: bool) {
         let Some(map) = self.replicas.map.as_ref() else {
             return;
         };
@@ -1403,8 +1413,22 @@ impl Engine {
                 }
             }
         }
+        let sent = self.replicas.checks_sent.entry(peer).or_default();
+        let c = &self.cluster;
+        sent.retain(|_, &mut (_, seq)| !cut_off && c.holds_batch(peer, seq));
+        checks.retain(|(client, stamp)| sent.get(client).is_none_or(|&(s, _)| s != *stamp));
+        if checks.is_empty() {
+            return;
+        }
+        for (client, stamp) in &checks {
+            self.cluster.queue_copy_check(peer, client, *stamp);
+        }
+        self.replicas.stats.checks_out += checks.len() as u64;
+        self.cluster.seal_for(peer);
+        let seq = self.cluster.last_reliable(peer);
+        let sent = self.replicas.checks_sent.entry(peer).or_default();
         for (client, stamp) in checks {
-            self.cluster.queue_copy_check(peer, &client, stamp);
+            sent.insert(client, (stamp, seq));
         }
     }
 

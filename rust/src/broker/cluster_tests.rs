@@ -1711,6 +1711,42 @@ fn offline_session(n: &mut Nodes, i: usize, c: crate::codec::Connect, qos: QoS) 
     n.h[i].e.closed(id, now);
 }
 
+#[test]
+fn a_peer_that_keeps_closing_its_link_unacknowledged_gets_each_copy_check_once() {
+    // Seen in the fault suite's full-disk runs: about 70 checks of one session from each
+    // home after an outage, one queued per reconnect of a node whose store failed.
+    let (mut n, mut disks) = copying_nodes(2, &[0, 1], 5_000);
+    offline_session(&mut n, 0, persistent_v5("dev"), QoS::AtLeastOnce);
+    settle_and_sync(&mut n, &mut disks);
+    let before = n.h[0].e.replica_stats().checks_out;
+    // Node 1 acknowledges nothing (its store fails) and its link goes down and up.
+    n.mute.push((1, 0));
+    for _ in 0..5 {
+        n.cut_link(0, 1);
+        n.heal_link(0, 1);
+        settle_and_sync(&mut n, &mut disks);
+    }
+    assert_eq!(n.h[0].e.replica_stats().checks_out - before, 1);
+    // After a silence long enough for it to have made a newer version meanwhile, it is
+    // told again (its answer to the first check may be older than that).
+    n.cut_link(0, 1);
+    for i in 0..2 {
+        tick_after(&mut n, i, 3_000);
+    }
+    n.heal_link(0, 1);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[0].e.replica_stats().checks_out - before, 2);
+    // Once it acknowledges, the next link-up tells it again.
+    n.mute.clear();
+    n.cut_link(0, 1);
+    n.heal_link(0, 1);
+    settle_and_sync(&mut n, &mut disks);
+    n.cut_link(0, 1);
+    n.heal_link(0, 1);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[0].e.replica_stats().checks_out - before, 3);
+}
+
 /// Does what the data plane does with `copy_loads`: reads the copies from `disk`.
 fn serve_copy_loads(h: &mut Harness, disk: &Disk) -> usize {
     let loads = h.e.copy_loads();
