@@ -1103,6 +1103,13 @@ fn roamer_resumes_on_node1_unheard_by_node2(
     (n, publisher, back)
 }
 
+/// Node 2 hears of node 1's rows at last (what their link lost goes again).
+fn node2_hears_of_node1(n: &mut Nodes) {
+    n.cut.clear();
+    n.cut_link(1, 2);
+    n.heal_link(1, 2);
+}
+
 #[test]
 fn a_node_that_has_not_heard_of_the_move_reaches_the_session_through_the_relay() {
     let (mut n, publisher, back) = roamer_resumes_on_node1_unheard_by_node2(3, QoS::ExactlyOnce);
@@ -1114,9 +1121,7 @@ fn a_node_that_has_not_heard_of_the_move_reaches_the_session_through_the_relay()
     assert_eq!(payloads(&n.h[1].recv_one(back)), ["q1", "q2"]);
     assert_eq!(n.h[0].e.claim_stats().relayed, 2);
     // Node 2 hears of node 1's row: from now on both rows match, and node 0 relays nothing.
-    n.cut.clear();
-    n.cut_link(1, 2);
-    n.heal_link(1, 2);
+    node2_hears_of_node1(&mut n);
     assert_eq!(n.rows(2, 1), 1);
     n.h[2].publish(publisher, "cmd/roamer", "q3", QoS::AtLeastOnce, false);
     n.settle();
@@ -1138,9 +1143,7 @@ fn the_old_home_relays_until_every_node_has_the_new_homes_rows() {
     assert_eq!(payloads(&n.h[1].recv_one(back)), ["q1"]);
     // Node 2 gets node 1's rows; node 1 tells node 0 at its next tick, and node 0 relays
     // for a moment more: what node 2 sends meanwhile goes both ways and arrives once.
-    n.cut.clear();
-    n.cut_link(1, 2);
-    n.heal_link(1, 2);
+    node2_hears_of_node1(&mut n);
     assert_eq!(n.rows(2, 1), 1);
     assert_eq!(n.rows(2, 0), 1);
     tick_after(&mut n, 1, 100);
@@ -1171,9 +1174,7 @@ fn a_message_sent_straight_to_the_new_home_waits_for_the_older_ones_the_old_home
     n.slow.push((0, 1));
     n.h[2].publish(publisher, "cmd/roamer", "m1", QoS::AtLeastOnce, false);
     n.settle();
-    n.cut.clear();
-    n.cut_link(1, 2);
-    n.heal_link(1, 2);
+    node2_hears_of_node1(&mut n);
     assert_eq!((n.rows(2, 0), n.rows(2, 1)), (1, 1));
     n.h[2].publish(publisher, "cmd/roamer", "m2", QoS::AtLeastOnce, false);
     n.settle();
@@ -1196,9 +1197,7 @@ fn a_message_sent_straight_to_the_new_home_waits_for_the_older_ones_the_old_home
 fn a_relay_that_never_brings_its_copy_holds_the_new_home_for_two_seconds_at_most() {
     let (mut n, publisher, back) =
         roamer_resumes_on_node1_unheard_by_node2(LATEST, QoS::AtLeastOnce);
-    n.cut.clear();
-    n.cut_link(1, 2);
-    n.heal_link(1, 2);
+    node2_hears_of_node1(&mut n);
     // The old home's link is up but it sends nothing (stalled).
     n.mute.push((0, 1));
     n.h[2].publish(publisher, "cmd/roamer", "m1", QoS::AtLeastOnce, false);
@@ -1217,9 +1216,7 @@ fn a_relay_that_never_brings_its_copy_holds_the_new_home_for_two_seconds_at_most
 fn once_the_old_homes_relay_is_over_the_new_home_waits_for_it_no_more() {
     let (mut n, publisher, back) =
         roamer_resumes_on_node1_unheard_by_node2(LATEST, QoS::AtLeastOnce);
-    n.cut.clear();
-    n.cut_link(1, 2);
-    n.heal_link(1, 2);
+    node2_hears_of_node1(&mut n);
     // Node 1 tells node 0 every node has its rows (at its next tick); node 0 relays for a
     // moment more, and node 2 may still send there: node 1 waits for none of it after half
     // that moment.
