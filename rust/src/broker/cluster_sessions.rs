@@ -90,9 +90,16 @@ const ROUTE_MS: u64 = 1_000;
 /// Ids a moved session remembers at most (past that, a repeat can get through).
 const RECENT_MAX: usize = 1 << 16;
 
-/// A message caught for a claimed session: the message, its QoS, retain flag and
-/// subscription ids.
-type EarlyMessage = (Arc<Message>, QoS, bool, Vec<u32>);
+/// A message caught for a claimed session (`Claim::early`).
+struct EarlyMessage {
+    msg: Arc<Message>,
+    qos: QoS,
+    retain: bool,
+    sub_ids: Vec<u32>,
+    /// Routed here (not relayed): the peer it came from and the keys of the other nodes
+    /// it went to (`cluster_relay_order`).
+    routed: Option<(PeerId, Vec<u64>)>,
+}
 
 /// A CONNECT of this node waiting for the answers to its claim.
 struct Claim {
@@ -1068,8 +1075,12 @@ impl Engine {
         match self.by_client.get(&id).copied() {
             // After what the session brought (a clean start wanted none of it).
             Some(sid) if !clean => {
-                for (msg, qos, retain, sub_ids) in claim.early {
-                    self.deliver(sid, &msg, qos, retain, sub_ids, now);
+                for e in claim.early {
+                    if let Some((from, also)) = &e.routed {
+                        // It may have overtaken older ones the session's old home relays.
+                        self.wait_for_relay(sid, e.msg.id, *from, also, now);
+                    }
+                    self.deliver(sid, &e.msg, e.qos, e.retain, e.sub_ids, now);
                 }
             }
             Some(_) => {}
@@ -1106,9 +1117,11 @@ impl Engine {
             );
             return;
         };
-        for (msg, qos, retain, sub_ids) in early {
+        for e in early {
             let kind = SessionMessageKind::Relayed;
-            self.relay_to(peer, client_id, &msg, qos, retain, &sub_ids, kind, now);
+            self.relay_to(
+                peer, client_id, &e.msg, e.qos, e.retain, &e.sub_ids, kind, now,
+            );
         }
     }
 
@@ -1478,7 +1491,17 @@ impl Engine {
         if let Some(claim) = self.claims.pending.get_mut(&client_id) {
             // The client is coming back here: the session follows, and so does this. (The
             // node it moved to may have it too: its id tells once the session is here.)
-            claim.early.push((msg.clone(), qos, retain, sub_ids));
+            let routed = match scope {
+                Scope::Forwarded { from, also, .. } if plain => Some((from, also.to_vec())),
+                _ => None,
+            };
+            claim.early.push(EarlyMessage {
+                msg: msg.clone(),
+                qos,
+                retain,
+                sub_ids,
+                routed,
+            });
             return true;
         }
         let skip = match scope {
@@ -1526,7 +1549,13 @@ impl Engine {
         };
         let Some(&sid) = self.by_client.get(client_id) else {
             if let Some(claim) = self.claims.pending.get_mut(client_id) {
-                claim.early.push((msg, qos, retain, sub_ids));
+                claim.early.push(EarlyMessage {
+                    msg,
+                    qos,
+                    retain,
+                    sub_ids,
+                    routed: None,
+                });
                 return;
             }
             if let Some(peer) = self.relay_of(client_id) {

@@ -1194,6 +1194,41 @@ fn a_message_sent_straight_to_the_new_home_waits_for_the_older_ones_the_old_home
 }
 
 #[test]
+fn a_message_caught_for_a_claim_waits_for_the_older_ones_the_old_home_relays() {
+    // Found by the fault suite (seed 9 of the long splits, 408 reorders): "dev" moved from
+    // node 1 to node 2 (node 1 relays for it), node 2 was cut off from the publisher's
+    // node 0, which kept m1 for it; the client came back to node 1 as the split healed,
+    // and m2 reached node 1's relay while its claim waited: it went to the client with
+    // the session, before node 2 got m1 and relayed it.
+    let mut n = Nodes::new(3);
+    let dev = n.h[1].connect("dev", Protocol::V311, false);
+    n.h[1].subscribe(dev, "cmd/dev", QoS::AtLeastOnce);
+    let publisher = n.h[0].connect("pub", Protocol::V5, true);
+    n.settle();
+    protocol(&mut n, LATEST);
+    let on2 = n.h[2].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    n.settle();
+    assert!(connack(&n.h[2].recv_one(on2)).session_present);
+    let now = n.h[2].now;
+    n.h[2].e.closed(on2, now);
+    n.settle();
+    // Node 2 is cut off: node 0 keeps m1 for it, and node 1's relay leaves it to node 0.
+    n.cut_link(0, 2);
+    n.cut_link(1, 2);
+    n.h[0].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    n.settle();
+    n.heal_link(1, 2);
+    let back = n.h[1].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    n.h[0].publish(publisher, "cmd/dev", "m2", QoS::AtLeastOnce, false);
+    n.settle();
+    let got = n.h[1].recv_one(back);
+    assert!(connack(&got).session_present);
+    assert!(payloads(&got[1..]).is_empty(), "{got:?}");
+    n.heal_link(0, 2);
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["m1", "m2"]);
+}
+
+#[test]
 fn a_relay_that_never_brings_its_copy_holds_the_new_home_for_two_seconds_at_most() {
     let (mut n, publisher, back) =
         roamer_resumes_on_node1_unheard_by_node2(LATEST, QoS::AtLeastOnce);
