@@ -190,6 +190,9 @@ struct Peer {
     /// it, it is not known to be in reach (its link may be silent too: a split is found
     /// one link at a time), so it does not count for `cluster_authority`. 0: none.
     probe_seq: u64,
+    /// The origin and sequence (`next_message_id`) of the newest message it published that
+    /// came here routed (`cluster_relay_order`).
+    last_routed: (u64, u64),
     /// The peer's incarnation and the last of its reliable batches applied here.
     recv_epoch: u64,
     recv_seq: u64,
@@ -239,6 +242,7 @@ impl Peer {
             acked_seq: 0,
             probe_seq: 0,
             acked_at: 0,
+            last_routed: (0, 0),
             recv_epoch: 0,
             recv_seq: 0,
             recv_held: VecDeque::new(),
@@ -777,6 +781,17 @@ impl Cluster {
         self.peer_ref(id).is_some_and(|p| p.up)
     }
 
+    /// Whether message `id` came here routed from the node that published it (it sends in
+    /// order): None when no peer's routed messages carry its origin.
+    pub(super) fn routed_here(&self, id: u128) -> Option<bool> {
+        let origin = (id >> 64) as u64;
+        self.peers
+            .iter()
+            .flatten()
+            .find(|p| p.last_routed.0 == origin)
+            .map(|p| p.last_routed.1 >= id as u64)
+    }
+
     /// Whether our reliable batch `seq` (of this incarnation) still waits for peer `id`'s
     /// acknowledgement (it goes again when the link comes up).
     pub(super) fn holds_batch(&self, id: PeerId, seq: u64) -> bool {
@@ -1067,6 +1082,8 @@ impl Cluster {
 
     /// A message for session `client_id`, which moved to peer `id` (see cluster_sessions).
     /// What `kind` adds goes only to a peer that speaks it (else the message alone).
+    /// `also`: the keys of the other nodes its publishing node sent it to, for a relayed
+    /// one (`cluster_relay_order`).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn queue_session_message(
         &mut self,
@@ -1077,6 +1094,7 @@ impl Cluster {
         retain: bool,
         sub_ids: &[u32],
         kind: SessionMessageKind,
+        also: &[u64],
         now: u64,
     ) {
         let mut props = Vec::new();
@@ -1106,7 +1124,7 @@ impl Cluster {
                 plain: true,
                 groups: Vec::new(),
                 stamp: None,
-                also: Vec::new(),
+                also: if with_id { also.to_vec() } else { Vec::new() },
                 id: if with_id { msg.id } else { 0 },
                 taken: Vec::new(),
             },
@@ -2036,7 +2054,7 @@ impl Engine {
                     sub_ids,
                     kept,
                     released,
-                    ..
+                    message,
                 } => {
                     let msg = messages.next().expect("one per message item");
                     let msg = Arc::new(msg);
@@ -2045,7 +2063,8 @@ impl Engine {
                         (_, Some(pkid)) => SessionMessageKind::Released(pkid),
                         _ => SessionMessageKind::Relayed,
                     };
-                    self.relayed(id, client_id, msg, qos, retain, sub_ids, kind, now);
+                    let also = &message.also;
+                    self.relayed(id, client_id, msg, qos, retain, sub_ids, kind, also, now);
                 }
                 Item::KeptAsk {
                     client_id,
@@ -2067,6 +2086,11 @@ impl Engine {
                 Item::Applied(mark) => self.applied_received(id, mark),
                 Item::Message(m) => {
                     let msg = messages.next().expect("one per message item");
+                    if m.id != 0 {
+                        if let Some(p) = self.cluster.peer_mut(id) {
+                            p.last_routed = ((m.id >> 64) as u64, m.id as u64);
+                        }
+                    }
                     let scope = Scope::Forwarded {
                         plain: m.plain,
                         groups: &m.groups,

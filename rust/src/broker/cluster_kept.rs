@@ -223,7 +223,9 @@ impl Engine {
                 done.push((sid, false));
                 continue;
             };
-            let had = !recent.kept_waits.is_empty() || !recent.relay_waits.is_empty();
+            let had = !recent.kept_waits.is_empty()
+                || !recent.relay_waits.is_empty()
+                || !recent.direct_waits.is_empty();
             let mut timed_out = 0;
             let untold = &recent.untold;
             recent.kept_waits.retain(|&(key, until)| {
@@ -249,7 +251,20 @@ impl Engine {
                 // session up no more.
                 recent.relayed_by = 0;
             }
-            if recent.kept_waits.is_empty() && recent.relay_waits.is_empty() {
+            let before = recent.direct_waits.len();
+            recent.direct_waits.retain(|&(w, until)| {
+                let done = now >= until;
+                if done {
+                    // Not held for that publishing node again.
+                    recent.direct_caught_up.push((w >> 64) as u64);
+                }
+                !done
+            });
+            self.claims.stats.relay_waits_timed_out += (before - recent.direct_waits.len()) as u64;
+            if recent.kept_waits.is_empty()
+                && recent.relay_waits.is_empty()
+                && recent.direct_waits.is_empty()
+            {
                 done.push((sid, had));
             }
         }
@@ -266,7 +281,7 @@ impl Engine {
     /// the stored), then what can be sent goes.
     pub(super) fn send_after_kept(&mut self, sid: SessionId, now: u64) {
         let recent = self.session(sid).and_then(|s| s.recent.as_ref());
-        if recent.is_some_and(|r| !r.relay_waits.is_empty()) {
+        if recent.is_some_and(|r| !r.relay_waits.is_empty() || !r.direct_waits.is_empty()) {
             // Still held for an old home's relay (`cluster_relay_order`): sent after that.
             return;
         }
@@ -457,6 +472,7 @@ impl Engine {
                 retain,
                 &sub_ids,
                 batch::SessionMessageKind::Kept,
+                &[],
                 now,
             );
         }

@@ -16,6 +16,16 @@
 //! home's link goes down, or after `KEPT_WAIT_MS` (a stalled old home, or one whose relay
 //! ended meanwhile: then none begins any more), and none begins once the old home may have
 //! ended its relay (`RecentIds::relayed_until`).
+//!
+//! **The other way round.** A publishing node whose link to this node comes back later
+//! than its link to the old home (after a split) sends the old home a new message that the
+//! old home relays here before the older ones the publishing node kept for this node
+//! arrive straight. A relayed message names the nodes its publishing node sent it to
+//! (`also`, carried in the relayed item): if this node is one and the message has not come
+//! straight yet, the session is held until it does (the publishing node's link sends in
+//! order, so what it kept for this node comes first), then the queue goes in each
+//! publishing node's order. Once per publishing node, at most `KEPT_WAIT_MS` (a publishing
+//! node out of reach: it is not waited for again).
 
 use super::cluster::PeerId;
 use super::cluster_kept::KEPT_WAIT_MS;
@@ -94,7 +104,77 @@ impl Engine {
             return;
         }
         recent.relay_caught_up.push(origin);
-        if recent.relay_waits.is_empty() && recent.kept_waits.is_empty() {
+        if recent.relay_waits.is_empty()
+            && recent.direct_waits.is_empty()
+            && recent.kept_waits.is_empty()
+        {
+            self.send_after_kept(sid, now);
+        }
+    }
+
+    /// The old home relayed message `id` to session `sid`, and its publishing node sent it
+    /// to the nodes with keys `also`: if this node is one and the message has not come
+    /// straight yet (the first such of its publishing node), the session waits for it.
+    pub(super) fn wait_for_direct(&mut self, sid: SessionId, id: u128, also: &[u64], now: u64) {
+        if id == 0 || also.is_empty() {
+            return;
+        }
+        let own = super::cluster_retained::node_key(&self.cluster.name);
+        if !also.contains(&own) {
+            return;
+        }
+        let routed = self.cluster.routed_here(id);
+        let Some(recent) = self.session_mut(sid).and_then(|s| s.recent.as_mut()) else {
+            return;
+        };
+        let origin = (id >> 64) as u64;
+        if recent.direct_caught_up.contains(&origin)
+            || recent
+                .direct_waits
+                .iter()
+                .any(|&(w, _)| (w >> 64) as u64 == origin)
+        {
+            return;
+        }
+        match routed {
+            // Unknown origin (its node restarted since, say): not waited for.
+            None => return,
+            Some(true) => {
+                // It came straight first: so did everything sent here before it.
+                recent.direct_caught_up.push(origin);
+                return;
+            }
+            Some(false) => {}
+        }
+        recent.direct_waits.push((id, now + KEPT_WAIT_MS));
+        self.claims.stats.relay_waits += 1;
+        if !self.claims.kept_holds.contains(&sid) {
+            self.claims.kept_holds.push(sid);
+        }
+    }
+
+    /// Message `id` came straight to session `sid`: a wait for it (or for an older one of
+    /// its publishing node) ends.
+    pub(super) fn direct_copy_came(&mut self, sid: SessionId, id: u128, now: u64) {
+        let Some(recent) = self.session_mut(sid).and_then(|s| s.recent.as_mut()) else {
+            return;
+        };
+        if id == 0 || recent.direct_waits.is_empty() {
+            return;
+        }
+        let origin = (id >> 64) as u64;
+        let before = recent.direct_waits.len();
+        recent
+            .direct_waits
+            .retain(|&(w, _)| (w >> 64) as u64 != origin || w > id);
+        if recent.direct_waits.len() == before {
+            return;
+        }
+        recent.direct_caught_up.push(origin);
+        if recent.direct_waits.is_empty()
+            && recent.relay_waits.is_empty()
+            && recent.kept_waits.is_empty()
+        {
             self.send_after_kept(sid, now);
         }
     }

@@ -982,8 +982,17 @@ impl Engine {
         if self.cluster.peer_protocol(to) >= 5 {
             for (d, kind) in own {
                 let (msg, qos, retain) = (&d.msg, d.qos, d.retain);
-                self.cluster
-                    .queue_session_message(to, &client, msg, qos, retain, &d.sub_ids, kind, now);
+                self.cluster.queue_session_message(
+                    to,
+                    &client,
+                    msg,
+                    qos,
+                    retain,
+                    &d.sub_ids,
+                    kind,
+                    &[],
+                    now,
+                );
             }
         }
         for h in held {
@@ -991,8 +1000,17 @@ impl Engine {
                 continue;
             }
             let kind = SessionMessageKind::Relayed;
-            self.cluster
-                .queue_session_message(to, &client, &h.msg, h.qos, h.retain, &h.sub_ids, kind, now);
+            self.cluster.queue_session_message(
+                to,
+                &client,
+                &h.msg,
+                h.qos,
+                h.retain,
+                &h.sub_ids,
+                kind,
+                &[],
+                now,
+            );
         }
         // What this version held has gone: the newer one may send on (it waits for this
         // once it skipped what this one took, `cluster_kept::wait_for_twin`).

@@ -1012,6 +1012,7 @@ impl Engine {
             if recent.kept_from == 0
                 && recent.kept_waits.is_empty()
                 && recent.relay_waits.is_empty()
+                && recent.direct_waits.is_empty()
                 && recent.twin.is_empty()
                 && recent.untold.is_empty()
             {
@@ -1119,13 +1120,15 @@ impl Engine {
         };
         for e in early {
             let kind = SessionMessageKind::Relayed;
+            let also = e.routed.as_ref().map_or(&[][..], |r| &r.1[..]);
             self.relay_to(
-                peer, client_id, &e.msg, e.qos, e.retain, &e.sub_ids, kind, now,
+                peer, client_id, &e.msg, e.qos, e.retain, &e.sub_ids, kind, also, now,
             );
         }
     }
 
-    /// Sends a message of session `client_id` on to `peer`, where the session went.
+    /// Sends a message of session `client_id` on to `peer`, where the session went (`also`:
+    /// the other nodes its publishing node sent it to).
     #[allow(clippy::too_many_arguments)]
     fn relay_to(
         &mut self,
@@ -1136,11 +1139,12 @@ impl Engine {
         retain: bool,
         sub_ids: &[u32],
         kind: SessionMessageKind,
+        also: &[u64],
         now: u64,
     ) {
         self.claims.stats.relayed += 1;
         self.cluster
-            .queue_session_message(peer, client_id, msg, qos, retain, sub_ids, kind, now);
+            .queue_session_message(peer, client_id, msg, qos, retain, sub_ids, kind, also, now);
         if qos != QoS::AtMostOnce {
             // Kept on disk with the write that acknowledges it to its sender.
             self.cluster.seal_for(peer);
@@ -1338,6 +1342,7 @@ impl Engine {
         session.pending_will = None;
         if let Some(recent) = session.recent.as_mut() {
             recent.relay_waits.clear();
+            recent.direct_waits.clear();
         }
         let id = session.client_id.clone();
         if self.by_client.get(&id) == Some(&sid) {
@@ -1523,7 +1528,13 @@ impl Engine {
             return false;
         }
         let kind = SessionMessageKind::Relayed;
-        self.relay_to(peer, &client_id, msg, qos, retain, &sub_ids, kind, now);
+        let also = match scope {
+            Scope::Forwarded { also, .. } if plain => also,
+            _ => &[],
+        };
+        self.relay_to(
+            peer, &client_id, msg, qos, retain, &sub_ids, kind, also, now,
+        );
         true
     }
 
@@ -1540,6 +1551,7 @@ impl Engine {
         retain: bool,
         sub_ids: Vec<u32>,
         kind: SessionMessageKind,
+        also: &[u64],
         now: u64,
     ) {
         let qos = match qos {
@@ -1561,7 +1573,9 @@ impl Engine {
             if let Some(peer) = self.relay_of(client_id) {
                 // The session moved on from here meanwhile: so does this (relays point to
                 // where the session went next, so the chain ends where it is).
-                self.relay_to(peer, client_id, &msg, qos, retain, &sub_ids, kind, now);
+                self.relay_to(
+                    peer, client_id, &msg, qos, retain, &sub_ids, kind, also, now,
+                );
                 return;
             }
             self.event(
@@ -1582,6 +1596,9 @@ impl Engine {
         if let (SessionMessageKind::Released(pkid), QoS::ExactlyOnce) = (kind, qos) {
             self.take_released(sid, &msg, retain, &sub_ids, pkid, now);
             return;
+        }
+        if kind == SessionMessageKind::Relayed {
+            self.wait_for_direct(sid, id, also, now);
         }
         self.deliver(sid, &msg, qos, retain, sub_ids, now);
         if kind == SessionMessageKind::Kept {

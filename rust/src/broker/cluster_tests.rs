@@ -1229,6 +1229,50 @@ fn a_message_caught_for_a_claim_waits_for_the_older_ones_the_old_home_relays() {
 }
 
 #[test]
+fn a_relayed_message_that_overtakes_older_ones_kept_for_the_new_home_waits_for_them() {
+    // Found by the fault suite (seed 21 of the long splits, 438 reorders): the publisher's
+    // node 0 was cut off; it kept m1 for node 1, "dev"'s home. As the split healed its link
+    // to node 2 (which relayed for "dev": the session had moved from there) came back
+    // first, and m2, sent to both, reached node 1 through node 2's relay before m1 and m2
+    // came straight.
+    let mut n = Nodes::new(3);
+    let dev = n.h[1].connect("dev", Protocol::V311, false);
+    n.h[1].subscribe(dev, "cmd/dev", QoS::AtLeastOnce);
+    let publisher = n.h[0].connect("pub", Protocol::V5, true);
+    n.settle();
+    protocol(&mut n, LATEST);
+    n.h[0].publish(publisher, "cmd/dev", "m0", QoS::AtLeastOnce, false);
+    n.settle();
+    let got = n.h[1].recv_one(dev);
+    assert_eq!(payloads(&got), ["m0"]);
+    puback_all(&mut n, 1, dev, &got);
+    // Node 0 is cut off; the client goes to node 2 and back to node 1 (node 2 relays).
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    for i in 1..3 {
+        tick_after(&mut n, i, 3_000);
+    }
+    let now = n.h[1].now;
+    n.h[1].e.closed(dev, now);
+    let on2 = n.h[2].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    n.settle();
+    assert!(connack(&n.h[2].recv_one(on2)).session_present);
+    let now = n.h[2].now;
+    n.h[2].e.closed(on2, now);
+    let back = n.h[1].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    n.settle();
+    assert!(connack(&n.h[1].recv_one(back)).session_present);
+    n.h[0].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    n.settle();
+    n.heal_link(0, 2);
+    n.h[0].publish(publisher, "cmd/dev", "m2", QoS::AtLeastOnce, false);
+    n.settle();
+    assert!(n.h[1].recv_one(back).is_empty());
+    n.heal_link(0, 1);
+    assert_eq!(payloads(&n.h[1].recv_one(back)), ["m1", "m2"]);
+}
+
+#[test]
 fn a_relay_that_never_brings_its_copy_holds_the_new_home_for_two_seconds_at_most() {
     let (mut n, publisher, back) =
         roamer_resumes_on_node1_unheard_by_node2(LATEST, QoS::AtLeastOnce);

@@ -457,6 +457,7 @@ impl Engine {
             }
             if let Scope::Forwarded { from, also, .. } = scope {
                 if i < plain_targets {
+                    self.direct_copy_came(sid, msg.id, now);
                     self.wait_for_relay(sid, msg.id, from, also, now);
                 }
             }
@@ -578,11 +579,9 @@ impl Engine {
     /// Free in-flight slots when `sid`'s connection may be written to now, else None.
     fn window(&self, sid: SessionId) -> Option<usize> {
         let session = self.session(sid)?;
-        if session
-            .recent
-            .as_ref()
-            .is_some_and(|r| !r.kept_waits.is_empty() || !r.relay_waits.is_empty())
-        {
+        if session.recent.as_ref().is_some_and(|r| {
+            !r.kept_waits.is_empty() || !r.relay_waits.is_empty() || !r.direct_waits.is_empty()
+        }) {
             // Waiting for older messages kept for its dead home (`cluster_kept`), or relayed
             // by the live home it came from (`cluster_relay_order`).
             return None;

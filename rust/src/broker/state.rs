@@ -320,6 +320,11 @@ pub struct RecentIds {
     /// The publishing nodes (their keys) whose first such message's relayed copy came:
     /// everything they sent the old home alone came before it.
     pub relay_caught_up: Vec<u64>,
+    /// The other way round: per publishing node, the first id the old home relayed here
+    /// before it came straight (it was sent here too), and until when it is waited for;
+    /// and the publishing nodes whose first such message came straight since.
+    pub direct_waits: Vec<(u128, u64)>,
+    pub direct_caught_up: Vec<u64>,
 }
 
 impl Session {
