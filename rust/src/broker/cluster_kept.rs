@@ -223,9 +223,7 @@ impl Engine {
                 done.push((sid, false));
                 continue;
             };
-            let had = !recent.kept_waits.is_empty()
-                || !recent.relay_waits.is_empty()
-                || !recent.direct_waits.is_empty();
+            let had = recent.holds();
             let mut timed_out = 0;
             let untold = &recent.untold;
             recent.kept_waits.retain(|&(key, until)| {
@@ -261,10 +259,7 @@ impl Engine {
                 !done
             });
             self.claims.stats.relay_waits_timed_out += (before - recent.direct_waits.len()) as u64;
-            if recent.kept_waits.is_empty()
-                && recent.relay_waits.is_empty()
-                && recent.direct_waits.is_empty()
-            {
+            if !recent.holds() {
                 done.push((sid, had));
             }
         }

@@ -95,19 +95,7 @@ impl Engine {
         if id == 0 || recent.relayed_by != from || recent.relay_waits.is_empty() {
             return;
         }
-        let origin = (id >> 64) as u64;
-        let before = recent.relay_waits.len();
-        recent
-            .relay_waits
-            .retain(|&(w, _)| (w >> 64) as u64 != origin || w > id);
-        if recent.relay_waits.len() == before {
-            return;
-        }
-        recent.relay_caught_up.push(origin);
-        if recent.relay_waits.is_empty()
-            && recent.direct_waits.is_empty()
-            && recent.kept_waits.is_empty()
-        {
+        if end_wait(&mut recent.relay_waits, &mut recent.relay_caught_up, id) && !recent.holds() {
             self.send_after_kept(sid, now);
         }
     }
@@ -162,19 +150,7 @@ impl Engine {
         if id == 0 || recent.direct_waits.is_empty() {
             return;
         }
-        let origin = (id >> 64) as u64;
-        let before = recent.direct_waits.len();
-        recent
-            .direct_waits
-            .retain(|&(w, _)| (w >> 64) as u64 != origin || w > id);
-        if recent.direct_waits.len() == before {
-            return;
-        }
-        recent.direct_caught_up.push(origin);
-        if recent.direct_waits.is_empty()
-            && recent.relay_waits.is_empty()
-            && recent.kept_waits.is_empty()
-        {
+        if end_wait(&mut recent.direct_waits, &mut recent.direct_caught_up, id) && !recent.holds() {
             self.send_after_kept(sid, now);
         }
     }
@@ -189,4 +165,17 @@ impl Engine {
             recent.relayed_until = recent.relayed_until.min(at);
         }
     }
+}
+
+/// Ends the wait in `waits` for the publishing node of message `id` if it waited for `id`
+/// or an older one: true if it did (that node is then caught up).
+fn end_wait(waits: &mut Vec<(u128, u64)>, caught_up: &mut Vec<u64>, id: u128) -> bool {
+    let origin = (id >> 64) as u64;
+    let before = waits.len();
+    waits.retain(|&(w, _)| (w >> 64) as u64 != origin || w > id);
+    if waits.len() == before {
+        return false;
+    }
+    caught_up.push(origin);
+    true
 }

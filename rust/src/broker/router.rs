@@ -579,9 +579,7 @@ impl Engine {
     /// Free in-flight slots when `sid`'s connection may be written to now, else None.
     fn window(&self, sid: SessionId) -> Option<usize> {
         let session = self.session(sid)?;
-        if session.recent.as_ref().is_some_and(|r| {
-            !r.kept_waits.is_empty() || !r.relay_waits.is_empty() || !r.direct_waits.is_empty()
-        }) {
+        if session.recent.as_ref().is_some_and(|r| r.holds()) {
             // Waiting for older messages kept for its dead home (`cluster_kept`), or relayed
             // by the live home it came from (`cluster_relay_order`).
             return None;

@@ -327,6 +327,14 @@ pub struct RecentIds {
     pub direct_caught_up: Vec<u64>,
 }
 
+impl RecentIds {
+    /// Whether the session sends nothing new to its client: it waits for older messages
+    /// (broker::cluster_kept, broker::cluster_relay_order).
+    pub fn holds(&self) -> bool {
+        !self.kept_waits.is_empty() || !self.relay_waits.is_empty() || !self.direct_waits.is_empty()
+    }
+}
+
 impl Session {
     pub fn new(client_id: Arc<str>) -> Session {
         Session {
