@@ -1493,6 +1493,7 @@ impl Engine {
     /// again, then a snapshot of our rows and our retained set.
     pub fn cluster_link(&mut self, id: PeerId, up: bool) {
         let now = self.last_now;
+        self.forget_fences_told(id);
         // Half the failure timeout: the two ends of a link find a silence at moments apart.
         let takeover_after = self.cfg.cluster_takeover_ms / 2;
         let c = &mut self.cluster;

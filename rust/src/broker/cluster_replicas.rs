@@ -257,6 +257,11 @@ pub(super) struct Replicas {
     /// batch when the link comes up, so it is not queued once more: a peer that keeps
     /// closing its link unacknowledged (its store failing) would get one more per link-up.
     checks_sent: HashMap<PeerId, HashMap<Arc<str>, (Stamp, u64)>>,
+    /// The newer versions told to peers whose copy operations of an older one were refused,
+    /// since their links last came up or went down: a node back from a split sends every
+    /// operation its older version queued meanwhile (hundreds), and one fence per session
+    /// tells it all.
+    fences_told: HashMap<(PeerId, Arc<str>), Stamp>,
     pub(super) stats: ReplicaStats,
 }
 
@@ -591,7 +596,7 @@ impl Engine {
                 Some(ours) if ours > stamp => {
                     self.replicas.stats.stale_refused += 1;
                     let me = self.cluster.name.clone();
-                    self.cluster.queue_fence(peer, &client, ours, &me);
+                    self.fence_once(peer, &client, ours, &me);
                     return;
                 }
                 // A live connection of unknown version stays (a split merges in issue 11).
@@ -625,7 +630,7 @@ impl Engine {
             Some(c) if stamp < c.stamp => {
                 let (newer, home) = (c.stamp, c.home.clone());
                 self.replicas.stats.stale_refused += 1;
-                self.cluster.queue_fence(peer, &client, newer, &home);
+                self.fence_once(peer, &client, newer, &home);
                 return;
             }
             Some(_) => false,
@@ -755,6 +760,22 @@ impl Engine {
     pub(super) fn routes_itself(&self, peer: PeerId, client_id: &str) -> bool {
         self.cluster.peer_protocol(peer) < 4
             || self.replicas.installed.get(client_id) == Some(&peer)
+    }
+
+    /// Tells peer `peer`, whose copy operation of an older version of `client_id` was
+    /// refused, where version `newer` lives, unless it was told so on this link already.
+    fn fence_once(&mut self, peer: PeerId, client_id: &Arc<str>, newer: Stamp, home: &str) {
+        let told = &mut self.replicas.fences_told;
+        if told.insert((peer, client_id.clone()), newer) != Some(newer) {
+            self.cluster.queue_fence(peer, client_id, newer, home);
+        }
+    }
+
+    /// Peer `peer`'s link came up or went down: what it was told may be lost with it.
+    pub(super) fn forget_fences_told(&mut self, peer: PeerId) {
+        if !self.replicas.fences_told.is_empty() {
+            self.replicas.fences_told.retain(|(p, _), _| *p != peer);
+        }
     }
 
     /// Peer `peer` holds `client_id` at `stamp` (its link just came up): it is told the

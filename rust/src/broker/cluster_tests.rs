@@ -2501,6 +2501,24 @@ fn a_dead_homes_session_is_taken_over_once_and_its_will_published_once() {
     assert!(connack(&n.h[2].recv_one(back)).session_present);
 }
 
+/// The fences in what node `i` has to send (taken from its output).
+fn fences_from(n: &mut Nodes, i: usize) -> usize {
+    let mut frames = Vec::new();
+    n.h[i].e.drain_cluster(|_, f| frames.push(f.to_vec()));
+    frames
+        .iter()
+        .map(|f| {
+            let body = body_of(f);
+            let batch = batch::Batch::decode(&body).unwrap();
+            let items = batch.items().unwrap();
+            items
+                .iter()
+                .filter(|i| matches!(i, batch::Item::Fence { .. }))
+                .count()
+        })
+        .sum()
+}
+
 #[test]
 fn a_copy_of_an_older_version_is_refused_and_its_sender_fenced() {
     let (mut n, mut disks) = copying_nodes(2, &[0, 1], 0);
@@ -2518,6 +2536,23 @@ fn a_copy_of_an_older_version_is_refused_and_its_sender_fenced() {
     n.h[1].e.cluster_feed(p, &body_of(&frame), now).unwrap();
     assert_eq!(n.h[1].e.replica_stats().stale_refused, 1);
     assert_eq!(n.h[1].e.session_count(), 1);
+    // More of that version's operations (a node back from a split sends all it queued):
+    // one fence tells it all, until the link goes down and up.
+    assert_eq!(fences_from(&mut n, 1), 1);
+    for _ in 0..3 {
+        let mut w = batch::ItemWriter::default();
+        w.copy(1, Stamp { clock: 1, node: 1 }, &key, None, None);
+        let frame = w.finish(batch::Header::default());
+        n.h[1].e.cluster_feed(p, &body_of(&frame), now).unwrap();
+    }
+    assert_eq!(n.h[1].e.replica_stats().stale_refused, 4);
+    assert_eq!(fences_from(&mut n, 1), 0);
+    n.cut_link(0, 1);
+    n.cut.clear();
+    n.h[1].e.cluster_link(n.peer[1][0], true);
+    n.h[1].e.cluster_feed(p, &body_of(&frame), now).unwrap();
+    // The first one again (its batch was not acknowledged) and one more on the new link.
+    assert_eq!(fences_from(&mut n, 1), 2);
     // A copy of a record that is not a session's is a broken peer.
     let mut w = batch::ItemWriter::default();
     w.copy(1, Stamp::default(), b"r/topic", Some(b"v"), None);
