@@ -1193,6 +1193,18 @@ fn a_message_sent_straight_to_the_new_home_waits_for_the_older_ones_the_old_home
     assert!(n.h[1].recv_one(back).is_empty());
 }
 
+/// Three nodes of this build: "dev" (QoS 1 on `cmd/dev`) connected on node 1, a
+/// publisher on node 0. The two connections.
+fn dev_on_node1_pub_on_node0() -> (Nodes, crate::broker::ConnId, crate::broker::ConnId) {
+    let mut n = Nodes::new(3);
+    let dev = n.h[1].connect("dev", Protocol::V311, false);
+    n.h[1].subscribe(dev, "cmd/dev", QoS::AtLeastOnce);
+    let publisher = n.h[0].connect("pub", Protocol::V5, true);
+    n.settle();
+    protocol(&mut n, LATEST);
+    (n, dev, publisher)
+}
+
 #[test]
 fn a_message_caught_for_a_claim_waits_for_the_older_ones_the_old_home_relays() {
     // Found by the fault suite (seed 9 of the long splits, 408 reorders): "dev" moved from
@@ -1200,12 +1212,7 @@ fn a_message_caught_for_a_claim_waits_for_the_older_ones_the_old_home_relays() {
     // node 0, which kept m1 for it; the client came back to node 1 as the split healed,
     // and m2 reached node 1's relay while its claim waited: it went to the client with
     // the session, before node 2 got m1 and relayed it.
-    let mut n = Nodes::new(3);
-    let dev = n.h[1].connect("dev", Protocol::V311, false);
-    n.h[1].subscribe(dev, "cmd/dev", QoS::AtLeastOnce);
-    let publisher = n.h[0].connect("pub", Protocol::V5, true);
-    n.settle();
-    protocol(&mut n, LATEST);
+    let (mut n, _, publisher) = dev_on_node1_pub_on_node0();
     let on2 = n.h[2].open_connect(super::tests::connect("dev", Protocol::V311, false));
     n.settle();
     assert!(connack(&n.h[2].recv_one(on2)).session_present);
@@ -1235,12 +1242,7 @@ fn a_relayed_message_that_overtakes_older_ones_kept_for_the_new_home_waits_for_t
     // to node 2 (which relayed for "dev": the session had moved from there) came back
     // first, and m2, sent to both, reached node 1 through node 2's relay before m1 and m2
     // came straight.
-    let mut n = Nodes::new(3);
-    let dev = n.h[1].connect("dev", Protocol::V311, false);
-    n.h[1].subscribe(dev, "cmd/dev", QoS::AtLeastOnce);
-    let publisher = n.h[0].connect("pub", Protocol::V5, true);
-    n.settle();
-    protocol(&mut n, LATEST);
+    let (mut n, dev, publisher) = dev_on_node1_pub_on_node0();
     n.h[0].publish(publisher, "cmd/dev", "m0", QoS::AtLeastOnce, false);
     n.settle();
     let got = n.h[1].recv_one(dev);
