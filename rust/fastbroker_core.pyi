@@ -187,8 +187,11 @@ class Engine:
         """The link to ``peer`` went down after nothing came on it for ``silent_ms``: as
         ``cluster_link(peer, False)``; back after a silence of half the failure timeout, the
         sessions here that ``peer`` may have taken over wait for its word."""
-    def cluster_withdraw(self) -> None:
-        """This node leaves the cluster: its route rows are withdrawn from every peer."""
+    def cluster_hand_over_all(self, now_ms: int) -> int:
+        """This node left the cluster and closed its connections: every session it holds
+        goes to the first owner of its partition that is up. Returns how many."""
+    def cluster_relays(self) -> int:
+        """Sessions this node still relays for after handing them over."""
     def cluster_set_writable(self, peer: int, writable: bool) -> None:
         """The link's write buffer went over (False) or back under (True) its high mark."""
     def claim_stats(self) -> dict[str, int]:

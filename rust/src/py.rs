@@ -344,8 +344,15 @@ impl PyEngine {
         self.inner.cluster_link_lost(peer, silent_ms)
     }
 
-    fn cluster_withdraw(&mut self) {
-        self.inner.cluster_withdraw()
+    /// This node left the cluster and closed its connections: its sessions go to their
+    /// owners (broker::cluster_leave). Returns how many.
+    fn cluster_hand_over_all(&mut self, now_ms: u64) -> usize {
+        self.inner.cluster_hand_over_all(now_ms)
+    }
+
+    /// Sessions this node still relays for after handing them over.
+    fn cluster_relays(&self) -> usize {
+        self.inner.cluster_relays()
     }
 
     fn cluster_set_writable(&mut self, peer: u16, writable: bool) {

@@ -290,6 +290,8 @@ async def run_server(
     reference = config.cluster.server_reference if cluster is not None else ""
     await close_connections(server, reference or None)
     if cluster is not None:
+        # Left the cluster: what sessions are still here go to their owners.
+        await cluster.hand_over_sessions()
         # After the connections: the wills their ends publish still reach the other nodes,
         # and the copies of their sessions are complete.
         await cluster.settle_peers()

@@ -2487,20 +2487,6 @@ impl Engine {
         existed
     }
 
-    /// This node is leaving the cluster: its route rows are withdrawn from every peer.
-    pub fn cluster_withdraw(&mut self) {
-        let c = &mut self.cluster;
-        c.route_version += 1;
-        let version = c.route_version;
-        let mut any = false;
-        c.each_up_peer(|peer| {
-            peer.items.route_snapshot(version, std::iter::empty());
-            peer.reliable = true;
-            any = true;
-        });
-        c.has_output |= any;
-    }
-
     /// Each peer's name and counters.
     pub fn cluster_stats(&self) -> Vec<(PeerId, Arc<str>, bool, PeerStats)> {
         self.cluster

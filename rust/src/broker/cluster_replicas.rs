@@ -1618,6 +1618,10 @@ impl Engine {
                 }
             } else if same && now < w.until {
                 self.replicas.watching.push(w);
+            } else if self.holds_disconnected(&w.client) {
+                // Its home handed it here as it left the cluster (`cluster_leave`): this
+                // node serves the claim the home can no longer serve.
+                self.serve_claim(w.peer, &w.client, w.stamp, false, now);
             } else {
                 // Handed over by its home (or gone, or no word from it): nothing here.
                 self.cluster

@@ -607,7 +607,7 @@ impl Engine {
     }
 
     /// Closes our connection of `client_id` and hands its session to `peer` (or ends it).
-    fn serve_claim(
+    pub(super) fn serve_claim(
         &mut self,
         peer: PeerId,
         client_id: &str,
@@ -615,8 +615,6 @@ impl Engine {
         discard: bool,
         now: u64,
     ) {
-        let mut records = Vec::new();
-        let mut kept = None;
         let sid = self.by_client.get(client_id).copied();
         if sid.is_none() && self.claim_from_copy(peer, client_id, stamp, discard, now) {
             // Its home is down: answered from the copy here once read back.
@@ -662,16 +660,32 @@ impl Engine {
                 if discard {
                     self.end_session(sid, now);
                 } else {
-                    records = self.session_records(sid, true, now);
-                    kept = self.moving_ids(sid, now);
-                    self.hand_over(sid, peer, true, now);
-                    self.claims.stats.sessions_out += 1;
+                    self.send_session(sid, peer, client_id, stamp, now);
+                    return;
                 }
             }
         }
         self.cluster
+            .queue_claim_answer(peer, client_id, stamp, &[], None, &[]);
+    }
+
+    /// Hands session `sid` of `client_id` over to `peer` in an answer to its claim stamped
+    /// `stamp` (or in one no claim waits for: `cluster_leave`), and relays for it.
+    pub(super) fn send_session(
+        &mut self,
+        sid: SessionId,
+        peer: PeerId,
+        client_id: &str,
+        stamp: Stamp,
+        now: u64,
+    ) {
+        let records = self.session_records(sid, true, now);
+        let kept = self.moving_ids(sid, now);
+        self.hand_over(sid, peer, true, now);
+        self.claims.stats.sessions_out += 1;
+        self.cluster
             .queue_claim_answer(peer, client_id, stamp, &records, None, &[]);
-        let relay = sid.and_then(|sid| self.claims.relays.get(&sid));
+        let relay = self.claims.relays.get(&sid);
         if relay.is_some_and(|r| r.lagging.is_empty())
             && self.cluster.peer_protocol(peer) >= RELAY_CAUGHT_UP_PROTOCOL
         {
@@ -1302,6 +1316,11 @@ impl Engine {
 
     pub fn claim_stats(&self) -> ClaimStats {
         self.claims.stats
+    }
+
+    /// How many sessions this node relays for.
+    pub(super) fn relay_count(&self) -> usize {
+        self.claims.relays.len()
     }
 
     /// Where this node relays `client_id`'s messages to, if anywhere.

@@ -6269,3 +6269,96 @@ fn a_node_cut_off_as_its_links_close_one_by_one_resumes_no_session_from_its_copy
     // Kept as a copy: a later takeover (this side acting again) still has it.
     assert_eq!(n.h[0].e.replica_stats().copies, 1);
 }
+
+// ---- a node that leaves the cluster (broker::cluster_leave) ----
+
+/// Four nodes; "dev" (offline, QoS 1 on `cmd/#`) homed on node 0, whose partition nodes 0
+/// and 1 own, with "m1" queued; a publisher on node 2. Node 0 then leaves: the map gives
+/// the partition to nodes 1 and 3. Returns the publisher's connection.
+fn dev_on_node0_which_leaves() -> (Nodes, Vec<Disk>, crate::broker::ConnId) {
+    let (mut n, mut disks) = copying_nodes(4, &[0, 1], 5_000);
+    offline_session(
+        &mut n,
+        0,
+        super::tests::connect("dev", Protocol::V311, false),
+        QoS::AtLeastOnce,
+    );
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    n.h[2].recv_one(publisher);
+    for i in 0..4 {
+        set_map(&mut n, i, &[1, 3], 2);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    (n, disks, publisher)
+}
+
+#[test]
+fn a_node_that_leaves_hands_its_sessions_to_their_owners_with_what_was_published_meanwhile() {
+    let (mut n, mut disks, publisher) = dev_on_node0_which_leaves();
+    // Removed from the map, node 0 still serves its sessions until it stops: what is
+    // published for them meanwhile reaches them (the other nodes used to forget its routes
+    // as it asked to leave: 4 acknowledged messages lost in the fault suite's long schedule).
+    n.h[2].publish(publisher, "cmd/dev", "m2", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(matches!(
+        n.h[2].recv_one(publisher)[..],
+        [Packet::PubAck(_)]
+    ));
+    // Its connections closed, it hands "dev" to the first owner up (node 1) and relays.
+    let now = n.h[0].now;
+    assert_eq!(n.h[0].e.cluster_hand_over_all(now), 1);
+    // Node 2 has not heard of the move yet: its message goes to node 0, and on to node 1.
+    n.slow.push((1, 2));
+    n.h[2].publish(publisher, "cmd/dev", "m3", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    n.catch_up(1, 2);
+    n.h[2].publish(publisher, "cmd/dev", "m4", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(n.h[0].e.cluster_relays(), 1);
+    // Every node holds node 1's rows: the relay ends 5 s later, and with it node 0's rows.
+    for _ in 0..3 {
+        for i in 0..4 {
+            tick_after(&mut n, i, 3_000);
+        }
+        settle_and_sync(&mut n, &mut disks);
+    }
+    assert_eq!(n.h[0].e.cluster_relays(), 0);
+    for i in 1..4 {
+        assert_eq!(n.rows(i, 0), 0, "node {i} still routes to node 0");
+    }
+    // Node 0 is gone: nothing is kept for it, and dev resumes on node 2 with all four.
+    for j in 1..4 {
+        n.cut_link(0, j);
+    }
+    n.h[2].publish(publisher, "cmd/dev", "m5", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(matches!(
+        n.h[2].recv_one(publisher)[..],
+        [Packet::PubAck(_), Packet::PubAck(_), Packet::PubAck(_)]
+    ));
+    assert_eq!(n.stats(2, 0).unacked_bytes, 0);
+    let back = n.h[2].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 2, back, &["m1", "m2", "m3", "m4", "m5"]);
+}
+
+#[test]
+fn a_claim_that_reaches_the_owner_before_the_leaving_home_hands_it_the_session_is_served_by_it() {
+    let (mut n, mut disks, _) = dev_on_node0_which_leaves();
+    // Node 0 hands "dev" to node 1, but its batch is slow to arrive; meanwhile dev comes
+    // back on node 2: node 0 answers it has none, node 1 watches its copy (the home is up).
+    n.slow.push((0, 1));
+    let now = n.h[0].now;
+    assert_eq!(n.h[0].e.cluster_hand_over_all(now), 1);
+    let back = n.h[2].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    settle_and_sync(&mut n, &mut disks);
+    assert!(n.h[2].recv_one(back).is_empty());
+    // The session arrives at node 1, which serves the claim from it (it answered none
+    // before: dev started afresh while its session lived on at node 1).
+    n.catch_up(0, 1);
+    tick_after(&mut n, 1, 100);
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 2, back, &["m1"]);
+}

@@ -13,6 +13,7 @@ mod cluster_authority;
 mod cluster_gates;
 mod cluster_kept;
 mod cluster_kept_store;
+mod cluster_leave;
 mod cluster_registry;
 mod cluster_relay_order;
 mod cluster_replicas;

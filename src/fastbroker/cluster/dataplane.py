@@ -91,9 +91,10 @@ class DataPlane:
             del self.node_ids[peer]
             self.engine.cluster_remove_peer(peer)
 
-    def withdraw(self) -> None:
-        """This node is leaving: peers stop forwarding to it."""
-        self.engine.cluster_withdraw()
+    def hand_over_all(self) -> None:
+        """This node left the cluster and its connections are closed: its sessions go to
+        their owners (broker::cluster_leave)."""
+        self.engine.cluster_hand_over_all(monotonic_ms())
         self.server.schedule_flush()
 
     def receive(self, node_id: str, batch: Any) -> None:

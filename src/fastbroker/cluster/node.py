@@ -58,6 +58,9 @@ MAX_RESTART_MS = 86_400_000
 TICK_S = 0.05
 # How long a planned stop (SIGTERM) waits for its peers to acknowledge its last batches.
 PLANNED_STOP_SETTLE_S = 3.0
+# How long a node that left waits for the relays of the sessions it handed on to end (5 s
+# after the new homes are known to every node: the engine's RELAY_MS).
+LEAVE_RELAY_S = 8.0
 # A fresh node waits this long for its peers' pings before it may found a cluster, so a node
 # joining a running cluster learns of it first.
 BOOTSTRAP_GRACE_S = 2.0
@@ -324,6 +327,26 @@ class ClusterNode:
         if self.discovery is not None:
             await self.discovery.stop()
         await self.transport.close()
+
+    async def hand_over_sessions(self, timeout_s: float = LEAVE_RELAY_S) -> None:
+        """A node that left the cluster, once its clients are gone: hands the sessions it
+        still holds to their owners, then waits (at most `timeout_s`) until the new homes
+        are known to every node and the relays that send on what reached this node meanwhile
+        have ended, so that its peers keep nothing for it once it is gone."""
+        if self.dataplane is None or not self.left.is_set():
+            return
+        engine = self.dataplane.engine
+        self.dataplane.hand_over_all()  # the engine logs how many
+        deadline = self.loop.time() + timeout_s
+        while engine.cluster_relays():
+            if self.loop.time() >= deadline:
+                logger.warning(
+                    "stopping while relaying for %d sessions handed on after %.1f s",
+                    engine.cluster_relays(),
+                    timeout_s,
+                )
+                return
+            await asyncio.sleep(0.05)
 
     async def settle_peers(self, timeout_s: float = PLANNED_STOP_SETTLE_S) -> bool:
         """A planned stop, once the clients are gone: waits (at most `timeout_s`) until
@@ -687,9 +710,9 @@ class ClusterNode:
 
     async def leave(self, timeout_s: float = 10.0) -> bool:
         """Asks the leader to remove this node; True once the agreed map no longer has it."""
+        # Its routes stay with its peers until it stops: its sessions get their messages
+        # until they are handed on (`hand_over_sessions`).
         self.leaving = True
-        if self.dataplane is not None:
-            self.dataplane.withdraw()
         deadline = self.loop.time() + timeout_s
         while self.loop.time() < deadline and not self.left.is_set():
             raft = self.raft
