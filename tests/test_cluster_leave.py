@@ -9,7 +9,7 @@ import time
 
 from clusters import Cluster, wait_for
 from conftest import Client
-from test_cluster_routing import endpoint, start_cluster, unique
+from test_cluster_routing import endpoint, links_up, start_cluster, unique
 
 EXPIRY = {"SessionExpiryInterval": 600}
 
@@ -121,3 +121,24 @@ def test_a_node_that_leaves_while_messages_flow_loses_none_of_its_sessions_messa
                 "n3's routes gone",
                 node,
             )
+
+
+def test_a_node_refuses_to_leave_while_a_member_is_out_of_reach(tmp_path):
+    """What a node keeps for a member that is down (acknowledged messages, the copies of its
+    sessions) would be lost with it: `cluster leave` answers why, and the node stays. Once
+    the member is removed (the failure timeout) it may leave."""
+    with Cluster(tmp_path) as cluster:
+        _, n2, n3 = start_cluster(cluster, 3)
+        n2.kill()
+        wait_for(lambda: not links_up(n3, ["n2"]), 5, "n2 found down", n3)
+        answer = n3.request("POST", "/cluster/leave", timeout=15.0)
+        assert answer == {
+            "left": False,
+            "error": "member n2 out of reach: what this node keeps for it would be lost; "
+            "leave once it is back, or removed after the failure timeout",
+        }
+        assert n3.alive()
+        cluster.wait_converged(["n1", "n3"], 15)
+        answer = n3.request("POST", "/cluster/leave", timeout=15.0)
+        assert answer.get("left"), answer
+        assert n3.proc is not None and n3.proc.wait(20) == 0

@@ -58,6 +58,7 @@ REASONS = {
     404: "Not Found",
     405: "Method Not Allowed",
     408: "Request Timeout",
+    409: "Conflict",
     413: "Payload Too Large",
     500: "Internal Server Error",
     503: "Service Unavailable",
@@ -245,6 +246,9 @@ def routes(
                 return 405, {"error": "use POST"}
             if cluster is None:
                 return 400, {"error": "this broker is standalone"}
+            blocker = cluster.leave_blocker()
+            if blocker is not None:
+                return 409, {"left": False, "error": blocker}
             left = await cluster.leave()
             if left:
                 on_left()

@@ -708,6 +708,23 @@ class ClusterNode:
         address = config.address_of(leader) if config is not None and leader else None
         return {"ok": False, "reason": reason, "leader": leader, "leader_address": address}
 
+    def leave_blocker(self) -> str | None:
+        """Why this node must not leave now, if it must not: a member whose data link is
+        down would lose what this node keeps for it (messages acknowledged to publishers
+        here) and the copies of its sessions held here."""
+        raft = self.raft
+        config = raft.committed_config if raft is not None else None
+        if config is None or self.dataplane is None:
+            return None
+        up = {e["node_id"]: e["up"] for e in self.dataplane.engine.cluster_stats()}
+        out = sorted(m for m in config.member_ids() if m != self.node_id and not up.get(m))
+        if not out:
+            return None
+        return (
+            f"member {', '.join(out)} out of reach: what this node keeps for it would be "
+            "lost; leave once it is back, or removed after the failure timeout"
+        )
+
     async def leave(self, timeout_s: float = 10.0) -> bool:
         """Asks the leader to remove this node; True once the agreed map no longer has it."""
         # Its routes stay with its peers until it stops: its sessions get their messages
