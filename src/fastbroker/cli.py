@@ -289,7 +289,8 @@ def status(admin: str, as_json: bool, partitions: bool) -> None:
 @cluster.command()
 @click.option("--admin", default=DEFAULT_ADMIN, show_default=True, metavar="HOST:PORT")
 def leave(admin: str) -> None:
-    """Remove the node behind --admin from the cluster, then stop it."""
+    """Remove the node behind --admin from the cluster, then stop it (its sessions go to
+    their owners). Refused while another member is out of reach."""
     data = admin_request(admin, "POST", "/cluster/leave", 15.0)
     if not data.get("left"):
         fail(f"the node did not leave: {data.get('error', 'no majority agreed in time')}", 1)
