@@ -84,13 +84,6 @@ class DataPlane:
             self.engine.cluster_store_recovered(monotonic_ms())
         self.transport.refuse_data("this node's store is failing" if failing else None)
 
-    def forget(self, node_id: str) -> None:
-        """A node that left the cluster on purpose: its routes go, and what waits for it."""
-        peer = self.peer_ids.pop(node_id, None)
-        if peer is not None:
-            del self.node_ids[peer]
-            self.engine.cluster_remove_peer(peer)
-
     def hand_over_all(self) -> None:
         """This node left the cluster and its connections are closed: its sessions go to
         their owners (broker::cluster_leave)."""
