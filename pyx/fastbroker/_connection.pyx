@@ -414,6 +414,17 @@ cdef class Server:
             self.sync_handle.cancel()
             self.sync_handle = None
 
+    def close_store(self):
+        """The broker stops and its store closes next: what the engine has to store now is
+        written, and no flush after this one writes (links closing as the loop ends change
+        nothing that must survive; writing then failed with "the store is closed")."""
+        if self.store is not None and self.failed_ops is None:
+            self.write_store_ops()
+        if self.store_retry_handle is not None:
+            self.store_retry_handle.cancel()
+            self.store_retry_handle = None
+        self.store = None
+
     cdef arm_sync(self):
         if self.sync_interval > 0.0 and self.sync_handle is None:
             self.sync_handle = self.loop.call_later(self.sync_interval, self.on_sync)

@@ -205,11 +205,14 @@ async def serve(config: Config, engine: Any) -> None:
         if spec.name != DEFAULT_LISTENER_NAME or len(config.listeners) > 1:
             logger.info("listener %s (%s) on %s", spec.name, spec.type, format_address(*bound))
     store = open_store(config, engine)
+    server = None
     try:
         server = Server(engine, loop, config.listener.write_buffer_high, store=store)
         listener.attach(server)
         await run_server(config, engine, server, listener, store)
     finally:
+        if server is not None:
+            server.close_store()
         try:
             store.close()
         except StoreError as error:
