@@ -248,7 +248,7 @@ def routes(
                 return 400, {"error": "this broker is standalone"}
             blocker = cluster.leave_blocker()
             if blocker is not None:
-                return 409, {"left": False, "error": blocker}
+                return 409, {"left": False, "reason": blocker}
             left = await cluster.leave()
             if left:
                 on_left()

@@ -293,7 +293,7 @@ def leave(admin: str) -> None:
     their owners). Refused while another member is out of reach."""
     data = admin_request(admin, "POST", "/cluster/leave", 15.0)
     if not data.get("left"):
-        fail(f"the node did not leave: {data.get('error', 'no majority agreed in time')}", 1)
+        fail(f"the node did not leave: {data.get('reason', 'no majority agreed in time')}", 1)
     click.echo("left the cluster; the node is stopping")
 
 

@@ -6332,6 +6332,11 @@ fn a_node_that_leaves_hands_its_sessions_to_their_owners_with_what_was_published
     for j in 1..4 {
         n.cut_link(0, j);
     }
+    // Past the takeover time: node 0's sessions are no one's to take over.
+    for i in 1..4 {
+        tick_after(&mut n, i, 6_000);
+    }
+    settle_and_sync(&mut n, &mut disks);
     n.h[2].publish(publisher, "cmd/dev", "m5", QoS::AtLeastOnce, false);
     settle_and_sync(&mut n, &mut disks);
     assert!(matches!(
