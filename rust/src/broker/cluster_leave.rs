@@ -12,9 +12,8 @@
 //! after it is gone. A client that comes back elsewhere as its session is on its way to
 //! the owner finds this node without it; the owner, which watched its copy for that claim
 //! (the home being up), serves the claim from the session once it arrives. A session it
-//! cannot hand on that way (no owner of protocol 8 up, or a
-//! will whose delay runs) stays, and is taken over from its copy once this node is found
-//! down, as a dead home's.
+//! cannot hand on that way (no owner of protocol 8 up, or a will whose delay runs) stays,
+//! and is taken over from its copy once this node is found down, as a dead home's.
 
 use std::sync::Arc;
 
