@@ -1857,7 +1857,12 @@ fn dev_on_node0() -> (Nodes, Vec<Disk>) {
 
 /// `dev_on_node0`, with `takeover_ms` as the engines' takeover time.
 fn dev_on_node0_taken_over_after(takeover_ms: u64) -> (Nodes, Vec<Disk>) {
-    let (mut n, mut disks) = copying_nodes(3, &[0, 1], takeover_ms);
+    dev_on_node0_of(3, takeover_ms)
+}
+
+/// `dev_on_node0_taken_over_after`, with `nodes` nodes.
+fn dev_on_node0_of(nodes: usize, takeover_ms: u64) -> (Nodes, Vec<Disk>) {
+    let (mut n, mut disks) = copying_nodes(nodes, &[0, 1], takeover_ms);
     offline_session(
         &mut n,
         0,
@@ -6276,13 +6281,7 @@ fn a_node_cut_off_as_its_links_close_one_by_one_resumes_no_session_from_its_copy
 /// and 1 own, with "m1" queued; a publisher on node 2. Node 0 then leaves: the map gives
 /// the partition to nodes 1 and 3. Returns the publisher's connection.
 fn dev_on_node0_which_leaves() -> (Nodes, Vec<Disk>, crate::broker::ConnId) {
-    let (mut n, mut disks) = copying_nodes(4, &[0, 1], 5_000);
-    offline_session(
-        &mut n,
-        0,
-        super::tests::connect("dev", Protocol::V311, false),
-        QoS::AtLeastOnce,
-    );
+    let (mut n, mut disks) = dev_on_node0_of(4, 5_000);
     let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
     n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
     settle_and_sync(&mut n, &mut disks);
