@@ -62,6 +62,19 @@ def free_port(host: str = HOST) -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int, host: str = HOST) -> list[int]:
+    """`count` distinct TCP ports that were free a moment ago (held open together while
+    chosen: one after another, the kernel can hand out the same port twice)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 @dataclass
 class BrokerProcess:
     kind: str

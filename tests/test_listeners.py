@@ -28,6 +28,7 @@ import rawmqtt
 from brokers import (
     BrokerProcess,
     free_port,
+    free_ports,
     run_broker_to_exit,
     start_fastbroker,
     stop_later,
@@ -84,7 +85,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     acl = directory / "acl"
     # Everyone may use x/#; a user only its own devices/<username>/#.
     acl.write_text("topic readwrite x/#\npattern readwrite devices/%u/#\n")
-    ports = {name: free_port() for name in NAMES}
+    ports = dict(zip(NAMES, free_ports(len(NAMES)), strict=True))
     extra = f'[auth]\nacl_file = "{acl}"\n\n' + listeners_toml(certs, ports)
     broker = start_fastbroker(directory, connect_timeout_ms=CONNECT_TIMEOUT_MS, extra_toml=extra)
     ports["tcp"] = broker.port
