@@ -57,9 +57,7 @@ FASTBROKER_OTHER_OPTIONS = {"sys_interval", "write_buffer_high", "log_level", "e
 
 def free_port(host: str = HOST) -> int:
     """Return a TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
 
 
 def free_ports(count: int, host: str = HOST) -> list[int]:

@@ -65,12 +65,6 @@ impl Engine {
         handed
     }
 
-    /// Sessions this node still relays for (handed over, their new homes not yet known to
-    /// every node for long enough).
-    pub fn cluster_relays(&self) -> usize {
-        self.relay_count()
-    }
-
     /// Whether a session of `client` lives here without a connection, and no claim of
     /// this node waits for it.
     pub(super) fn holds_disconnected(&self, client: &str) -> bool {

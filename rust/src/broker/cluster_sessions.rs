@@ -1318,8 +1318,9 @@ impl Engine {
         self.claims.stats
     }
 
-    /// How many sessions this node relays for.
-    pub(super) fn relay_count(&self) -> usize {
+    /// Sessions this node still relays for (handed over, their new homes not yet known to
+    /// every node for long enough): a leaving node waits for them to end.
+    pub fn cluster_relays(&self) -> usize {
         self.claims.relays.len()
     }
 
