@@ -10,7 +10,7 @@ import click
 from fastbroker.chaos.checker import Result, check
 from fastbroker.chaos.history import HistoryError, read
 from fastbroker.chaos.recovery import table
-from fastbroker.chaos.runner import FAULTS
+from fastbroker.chaos.runner import FAULTS, KNOWN_FAULTS
 
 EXIT_ANOMALIES = 1
 EXIT_BAD_HISTORY = 2
@@ -51,7 +51,8 @@ def check_command(history: Path, as_json: bool) -> None:
     "--faults",
     default=",".join(FAULTS),
     show_default=True,
-    help="The kinds of fault the nemesis picks from, comma-separated.",
+    help="The kinds of fault the nemesis picks from, comma-separated (also: bridge, "
+    "bridge_long: partial splits).",
 )
 @click.option(
     "--workdir",
@@ -71,9 +72,10 @@ def run_command(
     from fastbroker.chaos.runner import Run, Schedule
 
     kinds = tuple(f.strip() for f in faults.split(",") if f.strip())
-    unknown = sorted(set(kinds) - set(FAULTS))
+    unknown = sorted(set(kinds) - set(KNOWN_FAULTS))
     if unknown or not kinds:
-        raise click.BadParameter(f"unknown: {', '.join(unknown)} (known: {', '.join(FAULTS)})")
+        known = ", ".join(KNOWN_FAULTS)
+        raise click.BadParameter(f"unknown: {', '.join(unknown)} (known: {known})")
     # One line, not a traceback, when this machine cannot run it.
     missing = Network.unavailable() or Front.unavailable()
     if missing:
