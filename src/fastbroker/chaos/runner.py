@@ -240,10 +240,10 @@ class Run:
             fault = rng.choice(s.faults)
             self.faults += 1
             number = self.cluster.nodes.index(node) + 1
-            rest = [i for i in range(1, s.nodes + 1) if i != number]
             network = self.cluster.network
             # The fault, what ends it, and the name of its end in the history.
             kind = fault.removesuffix("_long")
+            sides = split_sides(kind, number, s.nodes)
             apply, revert, reverted = {
                 "kill": (node.kill, node.start, "start"),
                 "pause": (node.pause, node.resume, "resume"),
@@ -253,13 +253,9 @@ class Run:
                 # others), and joins again as a new node with an empty disk.
                 "leave": (node.leave, node.join_afresh, "join"),
                 # Cut off from the other nodes; HAProxy still reaches it.
-                "split": (partial(network.split, [[number], rest]), network.heal, "heal"),
+                "split": (partial(network.split, sides), network.heal, "heal"),
                 # The node is the only one that reaches both halves of the others.
-                "bridge": (
-                    partial(network.split, [rest[::2], rest[1::2]]),
-                    network.heal,
-                    "heal",
-                ),
+                "bridge": (partial(network.split, sides), network.heal, "heal"),
                 # Its data directory's file system full (every free byte taken), then
                 # space again: it refuses what it cannot store and recovers by itself.
                 "disk": (node.fill_disk, node.empty_disk, "space"),
@@ -285,6 +281,15 @@ class Run:
                 self.record(
                     "nemesis", "info", "converged", node=node.node_id, after=round(after, 3)
                 )
+
+
+def split_sides(kind: str, number: int, nodes: int) -> list[list[int]]:
+    """The sides of a `split` (node `number` alone against the others) or a `bridge` (the
+    others in two halves, node `number` on neither: it reaches both)."""
+    rest = [i for i in range(1, nodes + 1) if i != number]
+    if kind == "bridge":
+        return [rest[::2], rest[1::2]]
+    return [[number], rest]
 
 
 class Connection:
