@@ -65,8 +65,9 @@ def run_command(
     nodes: int, seconds: float, seed: int, rate: float, faults: str, workdir: Path, as_json: bool
 ) -> None:
     """Runs a seeded schedule against a cluster of NODES real nodes in network namespaces
-    behind HAProxy (kills, stops, pauses, splits, leaves and full disks, one at a time; needs
-    root, haproxy, nftables), records the history in WORKDIR/history.jsonl and checks it."""
+    behind HAProxy (kills, stops, pauses, splits, leaves and full disks, one at a time, and
+    partial splits if named; needs root, haproxy, nftables), records the history in
+    WORKDIR/history.jsonl and checks it."""
     from fastbroker.chaos.front import Front
     from fastbroker.chaos.network import Network
     from fastbroker.chaos.runner import Run, Schedule
