@@ -4808,30 +4808,8 @@ fn dev_split_between_two_versions(
     crate::broker::ConnId,
     crate::broker::ConnId,
 ) {
-    let (mut n, mut disks, dev, other, publisher) = dev_other_and_publisher(QoS::AtLeastOnce);
-    n.cut_link(0, 1);
-    n.cut_link(0, 2);
-    for m in ["m1", "m2"] {
-        n.h[0].publish(publisher, "cmd/dev", m, QoS::AtLeastOnce, false);
-    }
-    settle_and_sync(&mut n, &mut disks);
-    let got = n.h[0].recv_one(dev);
-    assert_eq!(payloads(&got), ["m1", "m2"]);
-    puback_all(&mut n, 0, dev, &got);
-    let now = n.h[0].now;
-    n.h[0].e.closed(dev, now);
-    n.h[0].publish(publisher, "cmd/dev", "m3", QoS::AtLeastOnce, false);
-    settle_and_sync(&mut n, &mut disks);
-    let back = n.h[1].open_connect(persistent_v5("dev"));
-    settle_and_sync(&mut n, &mut disks);
-    assert_eq!(serve_copy_loads(&mut n.h[1], &disks[1]), 1);
-    settle_and_sync(&mut n, &mut disks);
-    let got = n.h[1].recv_one(back);
-    assert!(connack(&got).session_present, "{got:?}");
-    assert!(payloads(&got[1..]).is_empty(), "{got:?}");
-    for i in 0..3 {
-        tick_after(&mut n, i, later_ms);
-    }
+    let (mut n, mut disks, back, other) =
+        dev_split_between_two_versions_until_the_heal(later_ms, false);
     let back = if moves_on {
         let on2 = n.h[2].open_connect(persistent_v5("dev"));
         settle_and_sync(&mut n, &mut disks);
@@ -4844,6 +4822,109 @@ fn dev_split_between_two_versions(
     n.heal_link(0, 2);
     settle_and_sync(&mut n, &mut disks);
     (n, disks, back, other)
+}
+
+/// `dev_split_between_two_versions` up to the heal (the client on node 1).
+fn dev_split_between_two_versions_until_the_heal(
+    later_ms: u64,
+    m3_in_flight: bool,
+) -> (
+    Nodes,
+    Vec<Disk>,
+    crate::broker::ConnId,
+    crate::broker::ConnId,
+) {
+    let (mut n, mut disks, dev, other, publisher) = dev_other_and_publisher(QoS::AtLeastOnce);
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    for m in ["m1", "m2"] {
+        n.h[0].publish(publisher, "cmd/dev", m, QoS::AtLeastOnce, false);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv_one(dev);
+    assert_eq!(payloads(&got), ["m1", "m2"]);
+    puback_all(&mut n, 0, dev, &got);
+    let mut dev = dev;
+    if m3_in_flight {
+        // The client comes back to node 0 during the split (its version there says what it
+        // took when the split heals), and gets m3 without acknowledging it.
+        let now = n.h[0].now;
+        n.h[0].e.closed(dev, now);
+        settle_and_sync(&mut n, &mut disks);
+        dev = n.h[0].open_connect(persistent_v5("dev"));
+        settle_and_sync(&mut n, &mut disks);
+        assert!(connack(&n.h[0].recv_one(dev)).session_present);
+        n.h[0].publish(publisher, "cmd/dev", "m3", QoS::AtLeastOnce, false);
+        settle_and_sync(&mut n, &mut disks);
+        assert_eq!(payloads(&n.h[0].recv_one(dev)), ["m3"]);
+    }
+    let now = n.h[0].now;
+    n.h[0].e.closed(dev, now);
+    if !m3_in_flight {
+        n.h[0].publish(publisher, "cmd/dev", "m3", QoS::AtLeastOnce, false);
+    }
+    settle_and_sync(&mut n, &mut disks);
+    let back = n.h[1].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(serve_copy_loads(&mut n.h[1], &disks[1]), 1);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[1].recv_one(back);
+    assert!(connack(&got).session_present, "{got:?}");
+    assert!(payloads(&got[1..]).is_empty(), "{got:?}");
+    for i in 0..3 {
+        tick_after(&mut n, i, later_ms);
+    }
+    (n, disks, back, other)
+}
+
+/// Node 0, back from a split, gives way to dev's version on node 1 and hands it what it
+/// held (m3, in flight there); the client moves that version on to node 2 before m3
+/// reaches node 1. `word_first`: node 0's word of what its version took (`TakenIds`)
+/// reached node 1 before the move (else after it, with m3). Returns dev's connection on
+/// node 2.
+fn dev_moved_on_as_its_cut_off_home_gives_way(
+    word_first: bool,
+) -> (Nodes, Vec<Disk>, crate::broker::ConnId) {
+    let (mut n, mut disks, _, _) = dev_split_between_two_versions_until_the_heal(0, true);
+    if word_first {
+        // Node 1's fence waits: node 0 gives way (and sends m3) only once it has it.
+        n.slow.push((1, 0));
+    } else {
+        n.slow.push((0, 1));
+    }
+    n.heal_link(0, 1);
+    n.heal_link(0, 2);
+    settle_and_sync(&mut n, &mut disks);
+    if word_first {
+        n.slow.push((0, 1));
+        n.catch_up(1, 0);
+        settle_and_sync(&mut n, &mut disks);
+    }
+    assert_eq!(n.h[0].e.replica_stats().fenced, 1);
+    let on2 = n.h[2].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    assert!(connack(&n.h[2].recv_one(on2)).session_present);
+    n.catch_up(0, 1);
+    settle_and_sync(&mut n, &mut disks);
+    (n, disks, on2)
+}
+
+#[test]
+fn a_cut_off_homes_hand_over_reaches_its_newer_version_that_moved_on_as_the_split_healed() {
+    // Found by the fault-injection run's long splits (seed 11 with debug events: 432
+    // lost): node 0 gave way to the version on node 1 and sent it what it held, but the
+    // client had just moved that version on to node 2. Node 1 relayed node 0's messages
+    // there, and node 2 dropped them as taken by node 0's version: node 1 had passed on
+    // node 0's word (`TakenIds`), or the ids in it with the session, and only a hand-over
+    // from node 0 itself gets past that. Now node 1 keeps the word and stops there what
+    // node 0's version took but comes from elsewhere.
+    for word_first in [false, true] {
+        let (mut n, _disks, on2) = dev_moved_on_as_its_cut_off_home_gives_way(word_first);
+        assert_eq!(payloads(&n.h[2].recv_one(on2)), ["m3"], "{word_first}");
+        assert_eq!(n.h[0].e.session_held("dev"), None);
+        assert_eq!(n.h[1].e.session_held("dev"), None);
+        assert_eq!(n.h[2].e.replica_stats().taken_elsewhere, 0);
+    }
 }
 
 #[test]
