@@ -6150,6 +6150,49 @@ fn a_confirmed_session_sends_what_it_held_and_what_it_had_queued_in_publishing_o
     assert_eq!(payloads(&got), ["m1", "m2", "m3"]);
 }
 
+/// As above, with the client connected through the wait (seeds 4 and 9 of the long splits:
+/// 411 and 415 reordered). A node whose link came back first relayed older messages and a
+/// newer one of the same publishing node to the queue; the publishing node's own link came
+/// back next, with its word that the queue's hold waited for and with what it had kept
+/// for this node (held, the session unconfirmed again): the queue went to the client
+/// first, the kept ones after the newer one. Now nothing goes to the client until the
+/// session is confirmed.
+#[test]
+fn a_session_waiting_for_its_owners_word_sends_its_connected_client_nothing_before_it() {
+    use super::router::Scope;
+    use super::state::Message;
+    use std::sync::Arc;
+    let mut h = Harness::new();
+    h.e.cluster_start(5, "node0");
+    let sub = h.connect("s", Protocol::V5, false);
+    h.subscribe(sub, "t", QoS::AtLeastOnce);
+    h.recv();
+    let sid = *h.e.by_client.get("s").unwrap();
+    let msg = |n: u128| {
+        Arc::new(Message {
+            topic: "t".into(),
+            payload: format!("m{n}").into(),
+            qos: QoS::AtLeastOnce,
+            retain: false,
+            props: None,
+            expires_at: None,
+            origin: super::cluster::REMOTE_ORIGIN,
+            id: (9 << 64) | n,
+        })
+    };
+    let now = h.now;
+    h.e.restored_unconfirmed(sid, now);
+    h.e.deliver(sid, &msg(3), QoS::AtLeastOnce, false, vec![], now);
+    assert!(payloads(&h.recv_one(sub)).is_empty());
+    for n in [1, 2] {
+        let m = msg(n);
+        let (qos, scope) = (QoS::AtLeastOnce, Scope::Origin);
+        h.e.hold_for_confirm(sid, &m, qos, false, vec![], true, scope);
+    }
+    h.e.confirm(sid, now);
+    assert_eq!(payloads(&h.recv_one(sub)), ["m1", "m2", "m3"]);
+}
+
 /// Both sides of a split act on what both hold (`[cluster] split_delivery = "both"`): the
 /// tests of how versions made on both sides merge.
 fn both_sides_act(n: &mut Nodes) {

@@ -584,6 +584,12 @@ impl Engine {
             // by the live home it came from (`cluster_relay_order`).
             return None;
         }
+        if self.unconfirmed(sid) {
+            // Waiting for its owners' word after a split or a restart: what their side kept
+            // for it (held meanwhile) goes to the client first, in publishing order, with
+            // its queue (`confirm`).
+            return None;
+        }
         let conn = self.conn(session.conn?)?;
         if !conn.writable || conn.state != ConnState::Active {
             return None;
