@@ -28,7 +28,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
-use super::cluster_kept::KEPT_END_PROTOCOL;
+use super::cluster_kept::{KEPT_END_PROTOCOL, TAKEN_IDS_PROTOCOL};
 use super::cluster_replicas::{CopyOp, RELEASED_PROTOCOL};
 use super::cluster_retained::RetainedStamps;
 use super::router::{forwarded_props, Scope};
@@ -696,6 +696,21 @@ impl Cluster {
         peer.waiting_qos0_bytes += frame.len();
         peer.out.push_front(Outgoing::unsent(0, epoch, frame, 0));
         self.has_output = true;
+    }
+
+    /// Tells peer `id` (a node the session `client_id` moved to from here) which messages
+    /// another version of it (`stamp`), on the node with key `node`, delivered (`TakenIds`).
+    pub(super) fn queue_taken_ids(
+        &mut self,
+        id: PeerId,
+        client_id: &str,
+        stamp: Stamp,
+        node: u64,
+        ids: &[u128],
+    ) {
+        self.queue_reliable(id, TAKEN_IDS_PROTOCOL, |items| {
+            items.taken_ids(client_id, stamp, node, ids.iter().copied());
+        });
     }
 
     /// Tells peer `id` (an owner this node copied to) that it applied `mark`.

@@ -602,7 +602,7 @@ impl Engine {
 
     /// Peer `peer` says the version `stamp` of `client_id` on the node with key `node`
     /// delivered the messages `ids`: the session here does not take them from another path
-    /// for a while; one that moved on from here keeps it for its relay.
+    /// for a while; one that moved on from here passes that on along its relay.
     pub(super) fn taken_ids_received(
         &mut self,
         peer: PeerId,
@@ -635,21 +635,9 @@ impl Engine {
                 }
                 self.settle_twins(sid, peer, stamp, now);
             }
-        } else if let Some((moved, _)) = self.relay_entry(client_id) {
-            // It moved on from here: what comes here for it is relayed on but for what that
-            // version took (`twin_took`), unless its own hand-over brings it (through this
-            // node, which it took for the newest version's: passed on, the word would make
-            // the newer home drop that too).
-            if let Some(recent) = self
-                .session_mut(moved)
-                .map(|s| s.recent.get_or_insert_with(Default::default))
-            {
-                recent.twin_node = node;
-                recent.twin_until = now + RECENT_MS;
-                let room = TAKEN_IDS_MAX.saturating_sub(recent.twin.len());
-                let ids = ids.iter().copied().filter(|&id| id != 0);
-                recent.twin.extend(ids.take(room));
-            }
+        } else if let Some(to) = self.relay_of(client_id).filter(|&to| to != peer) {
+            self.cluster
+                .queue_taken_ids(to, client_id, stamp, node, ids);
         }
     }
 

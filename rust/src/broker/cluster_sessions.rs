@@ -716,9 +716,10 @@ impl Engine {
         if fresh {
             kept.2.extend(recent.ids.iter().copied());
         }
-        // Not what another version took while cut off (`RecentIds::twin`): that version's
-        // hand-over may still come here, and is relayed on; what comes by other paths
-        // stops here (`twin_took`).
+        if now < recent.twin_until {
+            // What another version took while cut off: still waiting in queues for here.
+            kept.2.extend(recent.twin.iter().copied());
+        }
         (kept.0 != 0 || !kept.2.is_empty()).then_some(kept)
     }
 
@@ -1325,16 +1326,10 @@ impl Engine {
 
     /// Where this node relays `client_id`'s messages to, if anywhere.
     pub(super) fn relay_of(&self, client_id: &str) -> Option<PeerId> {
-        self.relay_entry(client_id).map(|(_, to)| to)
-    }
-
-    /// The session `client_id` had here before it moved on (kept, empty, for its relay),
-    /// and where it went.
-    pub(super) fn relay_entry(&self, client_id: &str) -> Option<(SessionId, PeerId)> {
         self.claims.relays.iter().find_map(|(&sid, r)| {
             self.session(sid)
                 .is_some_and(|s| &*s.client_id == client_id)
-                .then_some((sid, r.to))
+                .then_some(r.to)
         })
     }
 
@@ -1595,16 +1590,12 @@ impl Engine {
                 });
                 return;
             }
-            if let Some((moved, peer)) = self.relay_entry(client_id) {
+            if let Some(peer) = self.relay_of(client_id) {
                 // The session moved on from here meanwhile: so does this (relays point to
-                // where the session went next, so the chain ends where it is), but for what
-                // another version of it took (only that version's own hand-over brings it).
-                let from = self.cluster.peer_key(from);
-                if !self.twin_took(moved, msg.id, from, now) {
-                    self.relay_to(
-                        peer, client_id, &msg, qos, retain, &sub_ids, kind, also, now,
-                    );
-                }
+                // where the session went next, so the chain ends where it is).
+                self.relay_to(
+                    peer, client_id, &msg, qos, retain, &sub_ids, kind, also, now,
+                );
                 return;
             }
             self.event(
