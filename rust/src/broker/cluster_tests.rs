@@ -6104,13 +6104,11 @@ fn a_claim_answered_by_two_versions_of_a_session_keeps_what_each_held() {
     assert_resumed(&mut n, 2, on2, &["q1", "q2", "r1"]);
 }
 
-/// A session back in touch after a split waits for its owners' word; what reached it
-/// meanwhile is held, while a newer message of the same publishing node had reached its
-/// queue before (relayed by a node whose link came back first). Once confirmed, its
-/// client, back, gets them in publishing order (seed 11 of the long splits: 414
-/// reordered, the held ones appended behind the queued one).
-#[test]
-fn a_confirmed_session_sends_what_it_held_and_what_it_had_queued_in_publishing_order() {
+/// Node 0's session "s" (subscribed to "t"; `connected`: its client stays connected),
+/// unconfirmed: "m3" reaches it (relayed by a node whose link came back first, say), then
+/// "m1" and "m2" of the same publishing node wait for the confirmation; it comes. Returns
+/// the harness and the client's connection.
+fn unconfirmed_session_gets_m3_then_m1_and_m2(connected: bool) -> (Harness, crate::broker::ConnId) {
     use super::router::Scope;
     use super::state::Message;
     use std::sync::Arc;
@@ -6118,8 +6116,11 @@ fn a_confirmed_session_sends_what_it_held_and_what_it_had_queued_in_publishing_o
     h.e.cluster_start(5, "node0");
     let sub = h.connect("s", Protocol::V311, false);
     h.subscribe(sub, "t", QoS::AtLeastOnce);
+    h.recv();
     let now = h.now;
-    h.e.closed(sub, now);
+    if !connected {
+        h.e.closed(sub, now);
+    }
     let sid = *h.e.by_client.get("s").unwrap();
     let msg = |n: u128| {
         Arc::new(Message {
@@ -6135,19 +6136,27 @@ fn a_confirmed_session_sends_what_it_held_and_what_it_had_queued_in_publishing_o
     };
     h.e.restored_unconfirmed(sid, now);
     h.e.deliver(sid, &msg(3), QoS::AtLeastOnce, false, vec![], now);
+    if connected {
+        // Nothing before the confirmation.
+        assert!(payloads(&h.recv_one(sub)).is_empty());
+    }
     for n in [1, 2] {
         let m = msg(n);
-        h.e.hold_for_confirm(
-            sid,
-            &m,
-            QoS::AtLeastOnce,
-            false,
-            vec![],
-            true,
-            Scope::Origin,
-        );
+        let (qos, scope) = (QoS::AtLeastOnce, Scope::Origin);
+        h.e.hold_for_confirm(sid, &m, qos, false, vec![], true, scope);
     }
     h.e.confirm(sid, now);
+    (h, sub)
+}
+
+/// A session back in touch after a split waits for its owners' word; what reached it
+/// meanwhile is held, while a newer message of the same publishing node had reached its
+/// queue before (relayed by a node whose link came back first). Once confirmed, its
+/// client, back, gets them in publishing order (seed 11 of the long splits: 414
+/// reordered, the held ones appended behind the queued one).
+#[test]
+fn a_confirmed_session_sends_what_it_held_and_what_it_had_queued_in_publishing_order() {
+    let (mut h, _) = unconfirmed_session_gets_m3_then_m1_and_m2(false);
     let got = h
         .connect_with(super::tests::connect("s", Protocol::V311, false))
         .1;
@@ -6163,37 +6172,7 @@ fn a_confirmed_session_sends_what_it_held_and_what_it_had_queued_in_publishing_o
 /// session is confirmed.
 #[test]
 fn a_session_waiting_for_its_owners_word_sends_its_connected_client_nothing_before_it() {
-    use super::router::Scope;
-    use super::state::Message;
-    use std::sync::Arc;
-    let mut h = Harness::new();
-    h.e.cluster_start(5, "node0");
-    let sub = h.connect("s", Protocol::V5, false);
-    h.subscribe(sub, "t", QoS::AtLeastOnce);
-    h.recv();
-    let sid = *h.e.by_client.get("s").unwrap();
-    let msg = |n: u128| {
-        Arc::new(Message {
-            topic: "t".into(),
-            payload: format!("m{n}").into(),
-            qos: QoS::AtLeastOnce,
-            retain: false,
-            props: None,
-            expires_at: None,
-            origin: super::cluster::REMOTE_ORIGIN,
-            id: (9 << 64) | n,
-        })
-    };
-    let now = h.now;
-    h.e.restored_unconfirmed(sid, now);
-    h.e.deliver(sid, &msg(3), QoS::AtLeastOnce, false, vec![], now);
-    assert!(payloads(&h.recv_one(sub)).is_empty());
-    for n in [1, 2] {
-        let m = msg(n);
-        let (qos, scope) = (QoS::AtLeastOnce, Scope::Origin);
-        h.e.hold_for_confirm(sid, &m, qos, false, vec![], true, scope);
-    }
-    h.e.confirm(sid, now);
+    let (mut h, sub) = unconfirmed_session_gets_m3_then_m1_and_m2(true);
     assert_eq!(payloads(&h.recv_one(sub)), ["m1", "m2", "m3"]);
 }
 
