@@ -4834,7 +4834,7 @@ fn dev_split_between_two_versions_until_the_heal(
     crate::broker::ConnId,
     crate::broker::ConnId,
 ) {
-    let (mut n, mut disks, dev, other, publisher) = dev_other_and_publisher(QoS::AtLeastOnce);
+    let (mut n, mut disks, mut dev, other, publisher) = dev_other_and_publisher(QoS::AtLeastOnce);
     n.cut_link(0, 1);
     n.cut_link(0, 2);
     for m in ["m1", "m2"] {
@@ -4844,7 +4844,6 @@ fn dev_split_between_two_versions_until_the_heal(
     let got = n.h[0].recv_one(dev);
     assert_eq!(payloads(&got), ["m1", "m2"]);
     puback_all(&mut n, 0, dev, &got);
-    let mut dev = dev;
     if m3_in_flight {
         // The client comes back to node 0 during the split (its version there says what it
         // took when the split heals), and gets m3 without acknowledging it.
