@@ -241,7 +241,7 @@ class Engine:
     def replica_stats(self) -> dict[str, int]:
         """Session copies: copies, ops_out, ops_in, degraded_acks, stale_refused, fenced,
         claims_served, takeovers, streamed, stream_backlog, taken_elsewhere,
-        released_taken."""
+        released_taken, handed_on, checks_out."""
     def cluster_stats(self) -> list[dict[str, Any]]:
         """Per peer: node_id, up, frames/messages/bytes in and out, resent, dropped,
         route_rows, unacked_bytes, retained_synced (its retained set has arrived since its

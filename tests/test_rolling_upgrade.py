@@ -1,5 +1,5 @@
 """A rolling upgrade with two real builds side by side (issue 17, docs/upgrade.md): a cluster
-with one node on the previous release (inter-node protocol 12) and two on this one (13)
+with one node on the previous release (inter-node protocol 14) and two on this one (15)
 routes, keeps retained messages and moves sessions both ways; then that node is upgraded
 with a planned stop, and its session resumes on the new build."""
 
@@ -25,9 +25,9 @@ from test_cluster_routing import (
     wait_rows,
 )
 
-# The previous release: the last commit that speaks protocol 13 (before released QoS 2
-# messages carry their packet ids).
-PREVIOUS = "8c9d440"
+# The previous release: the last commit that speaks protocol 14 (before session messages
+# passed on carry the node they came from).
+PREVIOUS = "80b016b"
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +55,11 @@ def test_a_cluster_runs_mixed_during_an_upgrade_and_after_it(tmp_path, previous_
     with Cluster(tmp_path) as cluster:
         cluster.node(3).build = previous_build
         n1, n2, n3 = start_cluster(cluster, 3)
-        assert "up, protocol 13" in n1.log() and "up, protocol 14" in n1.log()
-        # n3 runs the previous engine too: it lacks a counter added since (released_taken).
+        assert "up, protocol 14" in n1.log() and "up, protocol 15" in n1.log()
+        # n3 runs the previous engine too: it lacks a counter added since (handed_on).
         probe = (
             "import fastbroker_core as c; "
-            "print(c.__file__, 'released_taken' in c.Engine().replica_stats())"
+            "print(c.__file__, 'handed_on' in c.Engine().replica_stats())"
         )
         old = subprocess.run(
             [sys.executable, "-c", probe],
@@ -124,7 +124,7 @@ def test_a_cluster_runs_mixed_during_an_upgrade_and_after_it(tmp_path, previous_
         n3.build = None
         cluster.start(3)
         cluster.wait_converged(["n1", "n2", "n3"], 30)
-        wait_for(lambda: "up, protocol 13" in n3.log(), 15, "n3 linked on protocol 13", n3)
+        wait_for(lambda: "up, protocol 15" in n3.log(), 15, "n3 linked on protocol 15", n3)
         wait_for(lambda: serving(n3), 15, "n3 serving MQTT", n3)
         back = Client(endpoint(n3), client_id=dev, version=5, clean=False, props=expiry)
         assert back.connect(timeout=10).session_present

@@ -483,6 +483,7 @@ impl PyEngine {
         d.set_item("stream_backlog", s.stream_backlog)?;
         d.set_item("taken_elsewhere", s.taken_elsewhere)?;
         d.set_item("released_taken", s.released_taken)?;
+        d.set_item("handed_on", s.handed_on)?;
         d.set_item("checks_out", s.checks_out)?;
         Ok(d)
     }

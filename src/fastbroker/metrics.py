@@ -548,6 +548,12 @@ class BrokerCollector:
                 "PUBREL goes to the client again)",
             ),
             (
+                "cluster_messages_handed_on",
+                "handed_on",
+                "Messages for a session that had moved on from this node, passed on to where it "
+                "went with the node they came from (that node's hand-over is told apart there)",
+            ),
+            (
                 "cluster_copy_checks_sent",
                 "checks_out",
                 "Versions of sessions and copies told to a node whose link came up (one not "

@@ -28,7 +28,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
-use super::cluster_kept::{KEPT_END_PROTOCOL, TAKEN_IDS_PROTOCOL};
+use super::cluster_kept::{HANDED_ON_PROTOCOL, KEPT_END_PROTOCOL, TAKEN_IDS_PROTOCOL};
 use super::cluster_replicas::{CopyOp, RELEASED_PROTOCOL};
 use super::cluster_retained::RetainedStamps;
 use super::router::{forwarded_props, Scope};
@@ -1095,6 +1095,7 @@ impl Cluster {
         sub_ids: &[u32],
         kind: SessionMessageKind,
         also: &[u64],
+        origin: u64,
         now: u64,
     ) {
         let mut props = Vec::new();
@@ -1109,6 +1110,11 @@ impl Cluster {
                 SessionMessageKind::Relayed
             }
             kind => kind,
+        };
+        let origin = if protocol >= HANDED_ON_PROTOCOL {
+            origin
+        } else {
+            0
         };
         let mut message = Vec::new();
         // Not a retained write (that went to every node already): the delivery's retain
@@ -1132,7 +1138,7 @@ impl Cluster {
         );
         let mut item = Vec::new();
         batch::encode_session_message(
-            client_id, qos as u8, retain, sub_ids, &message, kind, &mut item,
+            client_id, qos as u8, retain, sub_ids, &message, kind, origin, &mut item,
         );
         if let Some(peer) = self.peer_mut(id) {
             peer.items.raw_item(&item);
@@ -2056,6 +2062,7 @@ impl Engine {
                     kept,
                     released,
                     message,
+                    origin,
                 } => {
                     let msg = messages.next().expect("one per message item");
                     let msg = Arc::new(msg);
@@ -2065,7 +2072,8 @@ impl Engine {
                         _ => SessionMessageKind::Relayed,
                     };
                     let also = &message.also;
-                    self.relayed(id, client_id, msg, qos, retain, sub_ids, kind, also, now);
+                    let from = (id, origin);
+                    self.relayed(from, client_id, msg, qos, retain, sub_ids, kind, also, now);
                 }
                 Item::KeptAsk {
                     client_id,

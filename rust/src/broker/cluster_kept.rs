@@ -67,6 +67,10 @@ pub(super) const TAKEN_IDS_PROTOCOL: u16 = 13;
 /// The first whose relays tell the new home that what lagging peers sent them is in
 /// (`KeptEnd`, broker::cluster_sessions).
 pub(super) const RELAY_CAUGHT_UP_PROTOCOL: u16 = 13;
+/// The first that tells, of a session message it passes on to where the session went next,
+/// the node it came from (`SessionMessage::origin`): a version's hand-over passed on by a
+/// node the newer version moved on from is told from what that version took.
+pub(super) const HANDED_ON_PROTOCOL: u16 = 15;
 /// Ids told (and remembered) per session at most.
 pub(super) const TAKEN_IDS_MAX: usize = 1 << 16;
 
@@ -468,6 +472,7 @@ impl Engine {
                 &sub_ids,
                 batch::SessionMessageKind::Kept,
                 &[],
+                0,
                 now,
             );
         }
@@ -618,6 +623,7 @@ impl Engine {
             };
             let recent = s.recent.get_or_insert_with(Default::default);
             recent.twin_node = node;
+            recent.twin_stamp = stamp;
             recent.twin_until = now + RECENT_MS;
             let room = TAKEN_IDS_MAX.saturating_sub(recent.twin.len());
             let ids = ids.iter().copied().filter(|&id| id != 0);

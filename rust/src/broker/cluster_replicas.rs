@@ -202,6 +202,9 @@ pub struct ReplicaStats {
     /// QoS 2 messages released to the client by a version of its session that gave way to
     /// the one here, taken in flight here under their packet id (`take_released`).
     pub released_taken: u64,
+    /// Messages for a session that had moved on from here, passed on to where it went with
+    /// the node they came from (`SessionMessage::origin`, protocol 15).
+    pub handed_on: u64,
     /// Versions of sessions and copies told to a peer whose link came up (`CopyCheck`).
     pub checks_out: u64,
 }
@@ -1012,6 +1015,7 @@ impl Engine {
                     &d.sub_ids,
                     kind,
                     &[],
+                    0,
                     now,
                 );
             }
@@ -1030,6 +1034,7 @@ impl Engine {
                 &h.sub_ids,
                 kind,
                 &[],
+                0,
                 now,
             );
         }

@@ -57,7 +57,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::cluster::PeerId;
-use super::cluster_kept::{KEPT_MAX, RELAY_CAUGHT_UP_PROTOCOL, TAKEN_IDS_PROTOCOL};
+use super::cluster_kept::{
+    HANDED_ON_PROTOCOL, KEPT_MAX, RELAY_CAUGHT_UP_PROTOCOL, TAKEN_IDS_PROTOCOL,
+};
 use super::cluster_replicas::THIS_NODE;
 use super::connect::PendingConnect;
 use super::router::Scope;
@@ -99,6 +101,9 @@ struct EarlyMessage {
     /// Routed here (not relayed): the peer it came from and the keys of the other nodes
     /// it went to (`cluster_relay_order`).
     routed: Option<(PeerId, Vec<u64>)>,
+    /// Whom it came from, as `twin_took` is asked once the session is here (0: routed; a
+    /// node's key: relayed, that node's hand-over), None: published here.
+    from: Option<u64>,
 }
 
 /// A CONNECT of this node waiting for the answers to its claim.
@@ -680,7 +685,19 @@ impl Engine {
         now: u64,
     ) {
         let records = self.session_records(sid, true, now);
-        let kept = self.moving_ids(sid, now);
+        let twin_on = self.cluster.peer_protocol(peer) >= HANDED_ON_PROTOCOL;
+        let kept = self.moving_ids(sid, !twin_on, now);
+        let twin = self
+            .session(sid)
+            .and_then(|s| s.recent.as_ref())
+            .filter(|r| twin_on && now < r.twin_until && !r.twin.is_empty())
+            .map(|r| {
+                (
+                    r.twin_stamp,
+                    r.twin_node,
+                    r.twin.iter().copied().collect::<Vec<_>>(),
+                )
+            });
         self.hand_over(sid, peer, true, now);
         self.claims.stats.sessions_out += 1;
         self.cluster
@@ -696,6 +713,13 @@ impl Engine {
             self.cluster
                 .queue_kept_state(peer, client_id, home, &marks, ids.into_iter());
         }
+        if let Some((stamp, node, ids)) = twin {
+            // What another version took while cut off, as that version's node said it: the
+            // session skips those there too, but for that node's own hand-over of them
+            // (passed on from here, `SessionMessage::origin`).
+            self.cluster
+                .queue_taken_ids(peer, client_id, stamp, node, &ids);
+        }
         if !records.is_empty() {
             // Kept on disk in the same write that deletes the session's own records: it is
             // on one disk or the other whatever crashes.
@@ -709,14 +733,22 @@ impl Engine {
     /// those of what reached it since it moved here (`RECENT_MS`). A message sent to this
     /// node before the hand-over (through an old relay of it, or by a node that had not
     /// yet our rows) is then relayed on and delivered once.
-    fn moving_ids(&self, sid: SessionId, now: u64) -> Option<(u64, Vec<Mark>, Vec<u128>)> {
+    ///
+    /// With `twin`, for a peer that does not tell a hand-over passed on from here (before
+    /// protocol 15), those another version took too: the peer never delivers them then.
+    fn moving_ids(
+        &self,
+        sid: SessionId,
+        twin: bool,
+        now: u64,
+    ) -> Option<(u64, Vec<Mark>, Vec<u128>)> {
         let recent = self.session(sid)?.recent.as_ref()?;
         let fresh = now < recent.until;
         let mut kept = self.kept_state(sid, now).unwrap_or_default();
         if fresh {
             kept.2.extend(recent.ids.iter().copied());
         }
-        if now < recent.twin_until {
+        if twin && now < recent.twin_until {
             // What another version took while cut off: still waiting in queues for here.
             kept.2.extend(recent.twin.iter().copied());
         }
@@ -1091,6 +1123,11 @@ impl Engine {
             // After what the session brought (a clean start wanted none of it).
             Some(sid) if !clean => {
                 for e in claim.early {
+                    if e.from
+                        .is_some_and(|k| self.twin_took(sid, e.msg.id, k, now))
+                    {
+                        continue;
+                    }
                     if let Some((from, also)) = &e.routed {
                         // It may have overtaken older ones the session's old home relays.
                         self.wait_for_relay(sid, e.msg.id, *from, also, now);
@@ -1133,7 +1170,7 @@ impl Engine {
             return;
         };
         for e in early {
-            let kind = SessionMessageKind::Relayed;
+            let kind = (SessionMessageKind::Relayed, e.from.unwrap_or(0));
             let also = e.routed.as_ref().map_or(&[][..], |r| &r.1[..]);
             self.relay_to(
                 peer, client_id, &e.msg, e.qos, e.retain, &e.sub_ids, kind, also, now,
@@ -1142,7 +1179,8 @@ impl Engine {
     }
 
     /// Sends a message of session `client_id` on to `peer`, where the session went (`also`:
-    /// the other nodes its publishing node sent it to).
+    /// the other nodes its publishing node sent it to), as `kind`, handed on from the node
+    /// with key `origin` (0: from here).
     #[allow(clippy::too_many_arguments)]
     fn relay_to(
         &mut self,
@@ -1152,13 +1190,14 @@ impl Engine {
         qos: QoS,
         retain: bool,
         sub_ids: &[u32],
-        kind: SessionMessageKind,
+        (kind, origin): (SessionMessageKind, u64),
         also: &[u64],
         now: u64,
     ) {
         self.claims.stats.relayed += 1;
-        self.cluster
-            .queue_session_message(peer, client_id, msg, qos, retain, sub_ids, kind, also, now);
+        self.cluster.queue_session_message(
+            peer, client_id, msg, qos, retain, sub_ids, kind, also, origin, now,
+        );
         if qos != QoS::AtMostOnce {
             // Kept on disk with the write that acknowledges it to its sender.
             self.cluster.seal_for(peer);
@@ -1520,12 +1559,17 @@ impl Engine {
                 Scope::Forwarded { from, also, .. } if plain => Some((from, also.to_vec())),
                 _ => None,
             };
+            let from = match scope {
+                Scope::Origin => None,
+                _ => Some(0),
+            };
             claim.early.push(EarlyMessage {
                 msg: msg.clone(),
                 qos,
                 retain,
                 sub_ids,
                 routed,
+                from,
             });
             return true;
         }
@@ -1547,7 +1591,7 @@ impl Engine {
         if skip {
             return false;
         }
-        let kind = SessionMessageKind::Relayed;
+        let kind = (SessionMessageKind::Relayed, 0);
         let also = match scope {
             Scope::Forwarded { also, .. } if plain => also,
             _ => &[],
@@ -1560,11 +1604,12 @@ impl Engine {
 
     /// A message relayed to session `client_id`, which moved here (`Kept`: one another node
     /// kept for its dead home, see `cluster_kept`; `Released`: one another version of the
-    /// session had sent PUBREL for as it gave way, `cluster_replicas::take_released`).
+    /// session had sent PUBREL for as it gave way, `cluster_replicas::take_released`), by
+    /// peer `from.0`, which got it from the node with key `from.1` (0: its own).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn relayed(
         &mut self,
-        from: PeerId,
+        (from, origin): (PeerId, u64),
         client_id: &str,
         msg: Arc<Message>,
         qos: u8,
@@ -1579,6 +1624,8 @@ impl Engine {
             1 => QoS::AtLeastOnce,
             _ => QoS::AtMostOnce,
         };
+        let key = self.cluster.peer_key(from);
+        let origin = if origin != 0 { origin } else { key };
         let Some(&sid) = self.by_client.get(client_id) else {
             if let Some(claim) = self.claims.pending.get_mut(client_id) {
                 claim.early.push(EarlyMessage {
@@ -1587,15 +1634,17 @@ impl Engine {
                     retain,
                     sub_ids,
                     routed: None,
+                    from: Some(origin),
                 });
                 return;
             }
             if let Some(peer) = self.relay_of(client_id) {
                 // The session moved on from here meanwhile: so does this (relays point to
-                // where the session went next, so the chain ends where it is).
-                self.relay_to(
-                    peer, client_id, &msg, qos, retain, &sub_ids, kind, also, now,
-                );
+                // where the session went next, so the chain ends where it is), saying where
+                // it came from (a hand-over of another version is told by its node).
+                let how = (kind, origin);
+                self.replicas.stats.handed_on += 1;
+                self.relay_to(peer, client_id, &msg, qos, retain, &sub_ids, how, also, now);
                 return;
             }
             self.event(
@@ -1606,8 +1655,7 @@ impl Engine {
             return;
         };
         let id = msg.id;
-        let key = self.cluster.peer_key(from);
-        if self.twin_took(sid, id, key, now) {
+        if self.twin_took(sid, id, origin, now) {
             return;
         }
         if self.put_off_after_released(sid, &msg, qos, retain, &sub_ids, kind) {

@@ -1696,7 +1696,7 @@ fn connect_on(n: &mut Nodes, i: usize, c: crate::codec::Connect) -> crate::broke
 }
 
 /// The protocol version nodes of this build speak (`transport.PROTOCOL_MAX`).
-const LATEST: u16 = 14;
+const LATEST: u16 = 15;
 
 fn protocol(n: &mut Nodes, version: u16) {
     for i in 0..n.h.len() {
@@ -4909,18 +4909,14 @@ fn dev_moved_on_as_its_cut_off_home_gives_way(
 }
 
 #[test]
-#[ignore = "not fixed: reproduces the loss of docs/chaos.md (seeds 11 and 21 with debug events)"]
 fn a_cut_off_homes_hand_over_reaches_its_newer_version_that_moved_on_as_the_split_healed() {
-    // Found by the fault-injection run's long splits (seed 11 with debug events: 432
-    // lost): node 0 gave way to the version on node 1 and sent it what it held, but the
-    // client had just moved that version on to node 2. Node 1 relayed node 0's messages
-    // there, and node 2 dropped them as taken by node 0's version: node 1 had passed on
-    // node 0's word (`TakenIds`), or the ids in it with the session, and only a hand-over
-    // from node 0 itself gets past that. Not passing the word on fixes this test but lets
-    // node 2 deliver again what node 0 delivered (131 QoS 2 duplicates in a run, and
-    // three engine tests fail); taking node 1's relay of it as node 0's lets through
-    // duplicates node 1 relays from elsewhere (the same three). The fix needs node 1 to
-    // tell node 2 which of what it relays is node 0's hand-over.
+    // Found by the fault-injection run's long splits (seeds 11 and 21 with debug events: 432
+    // and 25 lost): node 0 gave way to the version on node 1 and sent it what it held, but
+    // the client had just moved that version on to node 2. Node 1 relayed node 0's messages
+    // there, and node 2 dropped them as taken by node 0's version: node 1 had passed on node
+    // 0's word (`TakenIds`), or the ids in it with the session, and only a hand-over from
+    // node 0 itself gets past that. Now node 1 says whose hand-over it passes on
+    // (`SessionMessage::origin`), and passes the word on as node 0's.
     for word_first in [false, true] {
         let (mut n, _disks, on2) = dev_moved_on_as_its_cut_off_home_gives_way(word_first);
         assert_eq!(payloads(&n.h[2].recv_one(on2)), ["m3"], "{word_first}");

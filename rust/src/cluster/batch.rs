@@ -81,6 +81,8 @@ const ITEM_KEPT_END: u8 = 30;
 const ITEM_TAKEN_IDS: u8 = 31;
 /// Protocol 14.
 const ITEM_RELEASED_MESSAGE: u8 = 32;
+/// Protocol 15: a node key, then one of the three session message items above.
+const ITEM_HANDED_ON: u8 = 33;
 /// `Homes` flags.
 const HOMES_FIRST: u8 = 1;
 const HOMES_LAST: u8 = 2;
@@ -217,6 +219,10 @@ pub enum Item<'a> {
         message: WireMessage<'a>,
         kept: bool,
         released: Option<u16>,
+        /// The node (key) the sender got it from for a session that had moved on from the
+        /// sender (0: the sender's own): the receiver tells that node's hand-over of what
+        /// its version of the session took from the same ids arriving by other paths.
+        origin: u64,
     },
     /// The sender installed session `client_id` from a copy: its home (node key `home`) is
     /// down. The receiver sends it, as kept `SessionMessage`s, what it keeps for that home
@@ -818,7 +824,9 @@ pub enum SessionMessageKind {
     Released(u16),
 }
 
-/// A [`Item::SessionMessage`]: `message` is an item made by [`encode_message`].
+/// A [`Item::SessionMessage`]: `message` is an item made by [`encode_message`]; `origin`
+/// as there (not 0 only to a peer of protocol 15).
+#[allow(clippy::too_many_arguments)]
 pub fn encode_session_message(
     client_id: &str,
     qos: u8,
@@ -826,11 +834,15 @@ pub fn encode_session_message(
     sub_ids: &[u32],
     message: &[u8],
     kind: SessionMessageKind,
+    origin: u64,
     out: &mut Vec<u8>,
 ) {
     let mut w = Writer {
         buf: std::mem::take(out),
     };
+    if origin != 0 {
+        w.u8(ITEM_HANDED_ON).u64(origin);
+    }
     w.u8(match kind {
         SessionMessageKind::Relayed => ITEM_SESSION_MESSAGE,
         SessionMessageKind::Kept => ITEM_KEPT_MESSAGE,
@@ -1180,42 +1192,65 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
             }
         }
         ITEM_APPLIED => Item::Applied(read_mark(r)?),
+        ITEM_HANDED_ON => {
+            let origin = r.u64()?;
+            let kind = r.u8()?;
+            let known = [
+                ITEM_SESSION_MESSAGE,
+                ITEM_KEPT_MESSAGE,
+                ITEM_RELEASED_MESSAGE,
+            ];
+            if origin == 0 || !known.contains(&kind) {
+                return Err(BatchError("bad handed-on session message".into()));
+            }
+            read_session_message(r, kind, origin)?
+        }
         ITEM_SESSION_MESSAGE | ITEM_KEPT_MESSAGE | ITEM_RELEASED_MESSAGE => {
-            let client_id = client_id(r.bytes()?)?;
-            let released = if kind == ITEM_RELEASED_MESSAGE {
-                Some(r.u16()?).filter(|&p| p != 0)
-            } else {
-                None
-            };
-            if kind == ITEM_RELEASED_MESSAGE && released.is_none() {
-                return Err(BatchError("released message with packet id 0".into()));
-            }
-            let qos = r.u8()?;
-            let retain = r.u8()?;
-            if qos > 2 || retain > 1 {
-                return Err(BatchError("bad session message flags".into()));
-            }
-            let n = r.u32()?;
-            let mut sub_ids = Vec::new();
-            for _ in 0..n {
-                sub_ids.push(r.u32()?);
-            }
-            // Not read_item: a session message cannot nest another (no recursion).
-            if r.u8()? != ITEM_MESSAGE {
-                return Err(BatchError("session message without a message".into()));
-            }
-            let message = read_message(r)?;
-            Item::SessionMessage {
-                client_id,
-                qos,
-                retain: retain == 1,
-                sub_ids,
-                message,
-                kept: kind == ITEM_KEPT_MESSAGE,
-                released,
-            }
+            read_session_message(r, kind, 0)?
         }
         tag => return Err(BatchError(format!("unknown batch item 0x{tag:02x}"))),
+    })
+}
+
+/// A session message item of type `kind` (its tag read), handed on from `origin`.
+fn read_session_message<'a>(
+    r: &mut Reader<'a>,
+    kind: u8,
+    origin: u64,
+) -> Result<Item<'a>, BatchError> {
+    let client_id = client_id(r.bytes()?)?;
+    let released = if kind == ITEM_RELEASED_MESSAGE {
+        Some(r.u16()?).filter(|&p| p != 0)
+    } else {
+        None
+    };
+    if kind == ITEM_RELEASED_MESSAGE && released.is_none() {
+        return Err(BatchError("released message with packet id 0".into()));
+    }
+    let qos = r.u8()?;
+    let retain = r.u8()?;
+    if qos > 2 || retain > 1 {
+        return Err(BatchError("bad session message flags".into()));
+    }
+    let n = r.u32()?;
+    let mut sub_ids = Vec::new();
+    for _ in 0..n {
+        sub_ids.push(r.u32()?);
+    }
+    // Not read_item: a session message cannot nest another (no recursion).
+    if r.u8()? != ITEM_MESSAGE {
+        return Err(BatchError("session message without a message".into()));
+    }
+    let message = read_message(r)?;
+    Ok(Item::SessionMessage {
+        client_id,
+        qos,
+        retain: retain == 1,
+        sub_ids,
+        message,
+        kept: kind == ITEM_KEPT_MESSAGE,
+        released,
+        origin,
     })
 }
 
@@ -1426,9 +1461,9 @@ mod tests {
             SessionMessageKind::Kept,
             SessionMessageKind::Released(513),
         ];
-        for kind in kinds {
+        for (kind, origin) in kinds.iter().map(|&k| (k, 0)).chain([(kinds[2], 77)]) {
             let mut item = Vec::new();
-            encode_session_message("dev-5", 1, true, &[3, 4], &m, kind, &mut item);
+            encode_session_message("dev-5", 1, true, &[3, 4], &m, kind, origin, &mut item);
             w.raw_item(&item);
         }
         let header = Header {
@@ -1602,16 +1637,21 @@ mod tests {
             ]
             .into_iter()
             .chain(
-                [(false, None), (true, None), (false, Some(513))].map(|(kept, released)| {
-                    Item::SessionMessage {
-                        client_id: "dev-5",
-                        qos: 1,
-                        retain: true,
-                        sub_ids: vec![3, 4],
-                        message: message(b"t/1", b"hello"),
-                        kept,
-                        released,
-                    }
+                [
+                    (false, None, 0),
+                    (true, None, 0),
+                    (false, Some(513), 0),
+                    (false, Some(513), 77)
+                ]
+                .map(|(kept, released, origin)| Item::SessionMessage {
+                    client_id: "dev-5",
+                    qos: 1,
+                    retain: true,
+                    sub_ids: vec![3, 4],
+                    message: message(b"t/1", b"hello"),
+                    kept,
+                    released,
+                    origin,
                 })
             )
             .collect::<Vec<_>>()
@@ -1775,6 +1815,7 @@ mod tests {
             sub_ids in proptest::collection::vec(any::<u32>(), 0..4),
             kind in 0u8..3,
             pkid in 1u16..,
+            origin in proptest::option::of(1u64..),
         ) {
             let kind = match kind {
                 0 => SessionMessageKind::Relayed,
@@ -1782,7 +1823,8 @@ mod tests {
                 _ => SessionMessageKind::Released(pkid),
             };
             let m = message(b"t/1", b"hello");
-            let body = session_message_body(&client, qos, retain, &sub_ids, &m, kind);
+            let origin = origin.unwrap_or(0);
+            let body = session_message_body(&client, qos, retain, &sub_ids, &m, kind, origin);
             let batch = Batch::decode(&body).unwrap();
             let released = match kind {
                 SessionMessageKind::Released(p) => Some(p),
@@ -1796,6 +1838,7 @@ mod tests {
                 message: m,
                 kept: kind == SessionMessageKind::Kept,
                 released,
+                origin,
             }]);
         }
     }
@@ -1808,11 +1851,14 @@ mod tests {
         sub_ids: &[u32],
         m: &WireMessage<'_>,
         kind: SessionMessageKind,
+        origin: u64,
     ) -> Vec<u8> {
         let mut encoded = Vec::new();
         encode_message(m, &mut encoded);
         let mut item = Vec::new();
-        encode_session_message(client, qos, retain, sub_ids, &encoded, kind, &mut item);
+        encode_session_message(
+            client, qos, retain, sub_ids, &encoded, kind, origin, &mut item,
+        );
         let mut w = ItemWriter::default();
         w.raw_item(&item);
         let header = Header {
@@ -1827,7 +1873,37 @@ mod tests {
     #[test]
     fn a_released_message_under_packet_id_0_is_refused() {
         let m = message(b"t/1", b"x");
-        let body = session_message_body("dev", 2, false, &[], &m, SessionMessageKind::Released(0));
+        let body =
+            session_message_body("dev", 2, false, &[], &m, SessionMessageKind::Released(0), 0);
         assert!(Batch::decode(&body).unwrap().items().is_err());
+    }
+
+    #[test]
+    fn a_handed_on_message_from_node_0_or_around_another_item_is_refused() {
+        let m = message(b"t/1", b"x");
+        let mut encoded = Vec::new();
+        encode_message(&m, &mut encoded);
+        let mut routed = Vec::new();
+        encode_message(&m, &mut routed);
+        for (origin, inner) in [(0u64, ITEM_SESSION_MESSAGE), (5, ITEM_MESSAGE)] {
+            let mut item = vec![ITEM_HANDED_ON];
+            item.extend_from_slice(&origin.to_le_bytes());
+            if inner == ITEM_MESSAGE {
+                item.extend_from_slice(&routed);
+            } else {
+                let kind = SessionMessageKind::Relayed;
+                encode_session_message("dev", 1, false, &[], &encoded, kind, 0, &mut item);
+            }
+            let mut w = ItemWriter::default();
+            w.raw_item(&item);
+            let header = Header {
+                epoch: 5,
+                seq: 1,
+                ack_epoch: 0,
+                ack_seq: 0,
+            };
+            let body = body_of(&w.finish(header));
+            assert!(Batch::decode(&body).unwrap().items().is_err(), "{origin}");
+        }
     }
 }
