@@ -769,7 +769,16 @@ impl Cluster {
 
     /// Tells peer `id` that the answer to its `KeptAsk` for `client_id` ends here.
     pub(super) fn queue_kept_end(&mut self, id: PeerId, client_id: &str) {
-        self.queue_reliable(id, KEPT_END_PROTOCOL, |items| items.kept_end(client_id));
+        self.queue_reliable(id, KEPT_END_PROTOCOL, |items| items.kept_end(client_id, 0));
+    }
+
+    /// Passes on to peer `id` the `KeptEnd` the node with key `origin` sent here for a
+    /// session that moved on to `id` (only to a peer of protocol 15: to another it would
+    /// end the wait for this node instead).
+    pub(super) fn queue_kept_end_from(&mut self, id: PeerId, client_id: &str, origin: u64) {
+        self.queue_reliable(id, HANDED_ON_PROTOCOL, |items| {
+            items.kept_end(client_id, origin)
+        });
     }
 
     /// Whether peer `id`'s link has been up in this run (its protocol is known).
@@ -2136,7 +2145,9 @@ impl Engine {
                 } => self.fence_received(id, client_id, stamp, home, now),
                 Item::Installed { client_id } => self.installed_received(id, client_id),
                 Item::RelayEnd { client_id } => self.relay_end_received(id, client_id, now),
-                Item::KeptEnd { client_id } => self.kept_end_received(id, client_id, now),
+                Item::KeptEnd { client_id, origin } => {
+                    self.kept_end_received((id, origin), client_id, now)
+                }
                 Item::TakenIds {
                     client_id,
                     stamp,

@@ -191,17 +191,36 @@ impl Engine {
         }
     }
 
-    /// Peer `peer`'s answer to the ask for what it kept for `client_id`'s dead home ended.
-    pub(super) fn kept_end_received(&mut self, peer: PeerId, client_id: &str, now: u64) {
+    /// Peer `peer`'s answer to the ask for what it kept for `client_id`'s dead home ended
+    /// (or what a version there that gave way handed over), or the node with key `origin`'s,
+    /// passed on by `peer`, which the session left.
+    pub(super) fn kept_end_received(
+        &mut self,
+        (peer, origin): (PeerId, u64),
+        client_id: &str,
+        now: u64,
+    ) {
+        let key = if origin != 0 {
+            origin
+        } else {
+            self.cluster.peer_key(peer)
+        };
         let Some(&sid) = self.by_client.get(client_id) else {
+            if let Some(to) = self.relay_of(client_id).filter(|&to| to != peer) {
+                // The session moved on from here: its wait for that node goes with it (a
+                // hand-over it sent here was passed on ahead of this).
+                self.cluster.queue_kept_end_from(to, client_id, key);
+            }
             return;
         };
-        let key = self.cluster.peer_key(peer);
         let Some(recent) = self.session_mut(sid).and_then(|s| s.recent.as_mut()) else {
             return;
         };
         if recent.relay_home == key {
             recent.relay_home = 0;
+        }
+        if recent.twin_node == key {
+            recent.twin_handed = true;
         }
         let before = recent.kept_waits.len();
         recent.kept_waits.retain(|&(k, _)| k != key);
@@ -617,18 +636,23 @@ impl Engine {
         ids: &[u128],
         now: u64,
     ) {
+        let from_node = self.cluster.peer_key(peer) == node;
         if let Some(&sid) = self.by_client.get(client_id) {
             let Some(s) = self.session_mut(sid) else {
                 return;
             };
             let recent = s.recent.get_or_insert_with(Default::default);
+            if recent.twin_node != node || recent.twin_stamp != stamp || from_node {
+                // Its hand-over (if that version gives way) is yet to come.
+                recent.twin_handed = false;
+            }
             recent.twin_node = node;
             recent.twin_stamp = stamp;
             recent.twin_until = now + RECENT_MS;
             let room = TAKEN_IDS_MAX.saturating_sub(recent.twin.len());
             let ids = ids.iter().copied().filter(|&id| id != 0);
             recent.twin.extend(ids.take(room));
-            if self.cluster.peer_key(peer) == node {
+            if from_node {
                 // Straight from that version's node, ahead of anything it sends: what waits
                 // here with those ids came by other paths (queues of other nodes, whose
                 // links came up first).
@@ -699,6 +723,11 @@ impl Engine {
             .cluster
             .peer_by_key(node)
             .is_some_and(|p| self.cluster.peer_protocol(p) >= TAKEN_IDS_PROTOCOL);
+        let recent = self.session(sid).and_then(|s| s.recent.as_ref());
+        if recent.is_some_and(|r| r.twin_node == node && r.twin_handed) {
+            // That hand-over ended already (here, or where the session came from).
+            return;
+        }
         if speaks {
             self.wait_for_kept(sid, &[node], now);
         }

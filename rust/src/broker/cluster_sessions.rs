@@ -692,11 +692,8 @@ impl Engine {
             .and_then(|s| s.recent.as_ref())
             .filter(|r| twin_on && now < r.twin_until && !r.twin.is_empty())
             .map(|r| {
-                (
-                    r.twin_stamp,
-                    r.twin_node,
-                    r.twin.iter().copied().collect::<Vec<_>>(),
-                )
+                let ids: Vec<u128> = r.twin.iter().copied().collect();
+                (r.twin_stamp, r.twin_node, ids, r.twin_handed)
             });
         self.hand_over(sid, peer, true, now);
         self.claims.stats.sessions_out += 1;
@@ -713,12 +710,16 @@ impl Engine {
             self.cluster
                 .queue_kept_state(peer, client_id, home, &marks, ids.into_iter());
         }
-        if let Some((stamp, node, ids)) = twin {
+        if let Some((stamp, node, ids, handed)) = twin {
             // What another version took while cut off, as that version's node said it: the
             // session skips those there too, but for that node's own hand-over of them
-            // (passed on from here, `SessionMessage::origin`).
+            // (passed on from here, `SessionMessage::origin`), and waits for that to end
+            // unless it did here.
             self.cluster
                 .queue_taken_ids(peer, client_id, stamp, node, &ids);
+            if handed {
+                self.cluster.queue_kept_end_from(peer, client_id, node);
+            }
         }
         if !records.is_empty() {
             // Kept on disk in the same write that deletes the session's own records: it is
@@ -798,7 +799,7 @@ impl Engine {
                     // for the client goes to this one, unless it reached it another way.
                     let merged = self.merge_handed_over(client_id, records, now);
                     // Its messages are in the queue now: they go in their order.
-                    self.kept_end_received(peer, client_id, now);
+                    self.kept_end_received((peer, 0), client_id, now);
                     self.event(
                         "claim_merged",
                         Arc::from(client_id),

@@ -6032,11 +6032,15 @@ fn two_versions_whose_nodes_own_none_of_the_other_merge_after_the_heal() {
     assert!(!n.h[0].e.by_client.contains_key("dev"));
 }
 
-#[test]
-fn two_versions_merged_then_claimed_bring_what_each_held_once() {
-    // Found by the fault-injection run's long splits: node 0's version of "dev" queued
-    // "q1" and "q2" while cut off; right after the heal the client connects to node 2.
-    // Node 0's version goes to node 1's, which goes to node 2 with what node 0's took.
+/// Node 0's version of "dev" queued "q1" and "q2" while cut off; right after the heal the
+/// client connects to node 2. Node 0's version goes to node 1's, which goes to node 2 with
+/// what node 0's took. Returns dev's connection on node 2 and node 0's publisher.
+fn two_versions_merged_then_claimed() -> (
+    Nodes,
+    Vec<Disk>,
+    crate::broker::ConnId,
+    crate::broker::ConnId,
+) {
     let (mut n, mut disks, [_, publisher, back]) = dev_resumed_on_cut_off_node0_and_back_on_node1();
     for p in ["q1", "q2"] {
         n.h[0].publish(publisher, "cmd/dev", p, QoS::AtLeastOnce, false);
@@ -6048,12 +6052,31 @@ fn two_versions_merged_then_claimed_bring_what_each_held_once() {
     relink_node0(&mut n);
     let on2 = n.h[2].open_connect(persistent_v5("dev"));
     settle_and_sync(&mut n, &mut disks);
+    (n, disks, on2, publisher)
+}
+
+#[test]
+fn two_versions_merged_then_claimed_bring_what_each_held_once() {
+    // Found by the fault-injection run's long splits.
+    let (mut n, mut disks, on2, _) = two_versions_merged_then_claimed();
     for i in 0..3 {
         tick_after(&mut n, i, 2_000);
     }
     settle_and_sync(&mut n, &mut disks);
     // Once each: "k1" and "k2", which the client got on node 0, are not delivered again.
     assert_resumed(&mut n, 2, on2, &["q1", "q2"]);
+}
+
+#[test]
+fn a_session_that_moved_on_as_its_other_version_gave_way_waits_for_that_hand_over_only() {
+    // Node 2 skipped what node 0's version took (arriving by other paths) and so waits for
+    // that version's hand-over to end (`KeptEnd`), which node 0 sent to node 1, the node
+    // the session left: node 1 passes it on, and a new message goes to the client at once
+    // rather than after `KEPT_WAIT_MS`.
+    let (mut n, mut disks, on2, publisher) = two_versions_merged_then_claimed();
+    n.h[0].publish(publisher, "cmd/dev", "n1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 2, on2, &["q1", "q2", "n1"]);
 }
 
 /// A batch from a peer answering `client_id`'s claim `stamp` with `records`.

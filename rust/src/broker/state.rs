@@ -298,8 +298,10 @@ pub struct RecentIds {
     pub twin: HashSet<u128>,
     pub twin_node: u64,
     pub twin_until: u64,
-    /// That version's stamp (passed on with `twin` if this version moves on).
+    /// That version's stamp, and whether its hand-over ended here (`KeptEnd`): passed on
+    /// with `twin` if this version moves on.
     pub twin_stamp: crate::cluster::batch::Stamp,
+    pub twin_handed: bool,
     /// The nodes (keys) out of reach when the client came back here: each may hold
     /// another version of the session, and says what it took first thing once its link is
     /// up. Until it has, what other nodes send once theirs are up waits (at most

@@ -81,7 +81,8 @@ const ITEM_KEPT_END: u8 = 30;
 const ITEM_TAKEN_IDS: u8 = 31;
 /// Protocol 14.
 const ITEM_RELEASED_MESSAGE: u8 = 32;
-/// Protocol 15: a node key, then one of the three session message items above.
+/// Protocol 15: a node key, then one of the three session message items above or a
+/// `KeptEnd`.
 const ITEM_HANDED_ON: u8 = 33;
 /// `Homes` flags.
 const HOMES_FIRST: u8 = 1;
@@ -245,8 +246,12 @@ pub enum Item<'a> {
     /// sender kept in memory went before this item (protocol 12). What comes after it from
     /// the sender is newer than all of that. Also sent after what a version of the session
     /// on the sender, found older, handed over to the receiver's (protocol 13).
+    ///
+    /// `origin` (protocol 15): passed on by a node the session had moved on from, which got
+    /// it from the node with that key (0: the sender's own).
     KeptEnd {
         client_id: &'a str,
+        origin: u64,
     },
     /// The version `stamp` of session `client_id` on the node with key `node` delivered the
     /// messages with `ids` (of what reached it since it moved there, and what was kept for
@@ -612,7 +617,11 @@ impl ItemWriter {
         self.count += 1;
     }
 
-    pub fn kept_end(&mut self, client_id: &str) {
+    /// `origin` as in [`Item::KeptEnd`] (not 0 only to a peer of protocol 15).
+    pub fn kept_end(&mut self, client_id: &str, origin: u64) {
+        if origin != 0 {
+            self.w.u8(ITEM_HANDED_ON).u64(origin);
+        }
         self.w.u8(ITEM_KEPT_END).bytes(client_id.as_bytes());
         self.count += 1;
     }
@@ -1062,6 +1071,7 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
         },
         ITEM_KEPT_END => Item::KeptEnd {
             client_id: client_id(r.bytes()?)?,
+            origin: 0,
         },
         ITEM_WILL_COPY => Item::WillCopy {
             client_id: client_id(r.bytes()?)?,
@@ -1199,11 +1209,19 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
                 ITEM_SESSION_MESSAGE,
                 ITEM_KEPT_MESSAGE,
                 ITEM_RELEASED_MESSAGE,
+                ITEM_KEPT_END,
             ];
             if origin == 0 || !known.contains(&kind) {
-                return Err(BatchError("bad handed-on session message".into()));
+                return Err(BatchError("bad handed-on item".into()));
             }
-            read_session_message(r, kind, origin)?
+            if kind == ITEM_KEPT_END {
+                Item::KeptEnd {
+                    client_id: client_id(r.bytes()?)?,
+                    origin,
+                }
+            } else {
+                read_session_message(r, kind, origin)?
+            }
         }
         ITEM_SESSION_MESSAGE | ITEM_KEPT_MESSAGE | ITEM_RELEASED_MESSAGE => {
             read_session_message(r, kind, 0)?
@@ -1427,7 +1445,8 @@ mod tests {
         w.fence("dev-3", stamp, "n2");
         w.installed("dev-4");
         w.relay_end("dev-4");
-        w.kept_end("dev-5");
+        w.kept_end("dev-5", 0);
+        w.kept_end("dev-6", 77);
         w.will_copy("dev-6", stamp, b"will");
         w.will_gone("dev-6", stamp);
         w.will_fired("dev-6", stamp);
@@ -1563,7 +1582,14 @@ mod tests {
                 },
                 Item::Installed { client_id: "dev-4" },
                 Item::RelayEnd { client_id: "dev-4" },
-                Item::KeptEnd { client_id: "dev-5" },
+                Item::KeptEnd {
+                    client_id: "dev-5",
+                    origin: 0
+                },
+                Item::KeptEnd {
+                    client_id: "dev-6",
+                    origin: 77
+                },
                 Item::WillCopy {
                     client_id: "dev-6",
                     stamp,
