@@ -367,6 +367,20 @@ def cluster_batch_seeds() -> dict[str, bytes]:
                 b"\x0f" + (1).to_bytes(8, "little") + (1).to_bytes(8, "little"),
             ]
         ),
+        # Passed on by a node the session left, with the node each came from (protocol
+        # 15): a session message and the end of a hand-over.
+        "handed_on": _batch(
+            [
+                b"\x21"
+                + (77).to_bytes(8, "little")
+                + b"\x0a"
+                + _field(b"dev")
+                + b"\x01\x00"
+                + (0).to_bytes(4, "little")
+                + _message(b"t/1", b"one", 1),
+                b"\x21" + (77).to_bytes(8, "little") + b"\x1e" + _field(b"dev"),
+            ]
+        ),
     }
 
 
