@@ -1396,6 +1396,11 @@ impl Engine {
         // node whose link came back first relayed newer ones).
         in_origin_order(&mut u.held, |h| h.msg.id);
         for h in u.held {
+            // Another version may have taken it meanwhile: its word (`TakenIds`) can come
+            // after the hold, with the session moved here (`send_session`).
+            if self.twin_took(sid, h.msg.id, 0, now) {
+                continue;
+            }
             self.deliver(sid, &h.msg, h.qos, h.retain, h.sub_ids, now);
         }
         self.queue_in_origin_order(sid, now);
