@@ -1885,8 +1885,13 @@ mod tests {
         encode_session_message(
             client, qos, retain, sub_ids, &encoded, kind, origin, &mut item,
         );
+        item_body(&item)
+    }
+
+    /// The body of a batch holding the one item `item`.
+    fn item_body(item: &[u8]) -> Vec<u8> {
         let mut w = ItemWriter::default();
-        w.raw_item(&item);
+        w.raw_item(item);
         let header = Header {
             epoch: 5,
             seq: 1,
@@ -1906,29 +1911,18 @@ mod tests {
 
     #[test]
     fn a_handed_on_message_from_node_0_or_around_another_item_is_refused() {
-        let m = message(b"t/1", b"x");
         let mut encoded = Vec::new();
-        encode_message(&m, &mut encoded);
-        let mut routed = Vec::new();
-        encode_message(&m, &mut routed);
+        encode_message(&message(b"t/1", b"x"), &mut encoded);
         for (origin, inner) in [(0u64, ITEM_SESSION_MESSAGE), (5, ITEM_MESSAGE)] {
             let mut item = vec![ITEM_HANDED_ON];
             item.extend_from_slice(&origin.to_le_bytes());
             if inner == ITEM_MESSAGE {
-                item.extend_from_slice(&routed);
+                item.extend_from_slice(&encoded);
             } else {
                 let kind = SessionMessageKind::Relayed;
                 encode_session_message("dev", 1, false, &[], &encoded, kind, 0, &mut item);
             }
-            let mut w = ItemWriter::default();
-            w.raw_item(&item);
-            let header = Header {
-                epoch: 5,
-                seq: 1,
-                ack_epoch: 0,
-                ack_seq: 0,
-            };
-            let body = body_of(&w.finish(header));
+            let body = item_body(&item);
             assert!(Batch::decode(&body).unwrap().items().is_err(), "{origin}");
         }
     }
