@@ -88,11 +88,11 @@ MAGIC = "fastbroker-cluster"
 # those again, and the older of the two versions gives way to the newer. Version 14: a
 # version of a session that gives way hands over the QoS 2 messages it sent PUBREL for
 # with their packet ids (a released SessionMessage), and the newer version sends the PUBREL
-# again rather than the message. Version 15: a node passing a session message on to where
-# the session went next says which node it came from (a handed-on SessionMessage), so that a
-# hand-over from a version that gave way is told from copies of what that version took
-# arriving by other paths, and it passes what another version took on as that version's
-# word (TakenIds) rather than as ids the session saw.
+# again rather than the message. Version 15: a node passing a session message (or the end
+# of a hand-over, KeptEnd) on to where the session went next says which node it came from
+# (a handed-on item), so that a hand-over from a version that gave way is told from copies
+# of what that version took arriving by other paths, and it passes what another version
+# took on as that version's word (TakenIds) rather than as ids the session saw.
 # HELLO's optional "cluster_id" (ignored by nodes that do not send it) refuses links between
 # nodes of different clusters, whatever the version.
 PROTOCOL_MIN = 2
