@@ -409,6 +409,19 @@ def test_the_command_prints_one_verdict_and_exits_1_on_anomalies(tmp_path):
     assert "line 1: not JSON" in refused.stderr
 
 
+def test_run_without_paho_says_what_to_install_before_starting_anything(tmp_path):
+    # The broker's own install has no MQTT client library; the runner's clients need one.
+    code = "import sys; sys.modules['paho'] = None; from fastbroker.chaos.cli import main; main()"
+    work = tmp_path / "run"
+    cmd = [sys.executable, "-c", code, "run", "--seconds", "5", "--workdir", str(work)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.strip() == (
+        "fastbroker-chaos: cannot run: paho-mqtt is not installed (pip install 'fastbroker[chaos]')"
+    )
+    assert not work.exists()
+
+
 def test_recovery_figures_per_fault_and_per_kind():
     """From the history alone: how long the cluster took to be whole after each fault, and
     the longest any publisher went unacknowledged, any subscriber without a message and

@@ -70,7 +70,7 @@ def run_command(
     WORKDIR/history.jsonl and checks it."""
     from fastbroker.chaos.front import Front
     from fastbroker.chaos.network import Network
-    from fastbroker.chaos.runner import Run, Schedule
+    from fastbroker.chaos.runner import Run, Schedule, clients_unavailable
 
     kinds = tuple(f.strip() for f in faults.split(",") if f.strip())
     unknown = sorted(set(kinds) - set(KNOWN_FAULTS))
@@ -78,7 +78,7 @@ def run_command(
         known = ", ".join(KNOWN_FAULTS)
         raise click.BadParameter(f"unknown: {', '.join(unknown)} (known: {known})")
     # One line, not a traceback, when this machine cannot run it.
-    missing = Network.unavailable() or Front.unavailable()
+    missing = clients_unavailable() or Network.unavailable() or Front.unavailable()
     if missing:
         click.echo(f"fastbroker-chaos: cannot run: {missing}", err=True)
         raise SystemExit(EXIT_CANNOT_RUN)

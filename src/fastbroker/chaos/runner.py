@@ -283,6 +283,16 @@ class Run:
                 )
 
 
+def clients_unavailable() -> str | None:
+    """Why the run's MQTT clients cannot be made here, or None: paho-mqtt comes with the
+    `chaos` extra, not with the broker."""
+    try:
+        import paho.mqtt.client  # noqa: F401
+    except ImportError:
+        return "paho-mqtt is not installed (pip install 'fastbroker[chaos]')"
+    return None
+
+
 def split_sides(kind: str, number: int, nodes: int) -> list[list[int]]:
     """The sides of a `split` (node `number` alone against the others) or a `bridge` (the
     others in two halves, node `number` on neither: it reaches both)."""
@@ -309,6 +319,7 @@ class Connection:
         self.connections = 0
 
     def new_client(self) -> Any:
+        # paho-mqtt is the `chaos` extra's (`clients_unavailable` checks it first).
         from paho.mqtt.client import CallbackAPIVersion, Client
         from paho.mqtt.enums import MQTTProtocolVersion
 
