@@ -1395,17 +1395,21 @@ impl Engine {
         // its order, among themselves and with what reached the queue before the wait (a
         // node whose link came back first relayed newer ones).
         in_origin_order(&mut u.held, |h| h.msg.id);
-        for h in u.held {
-            // Another version may have taken it meanwhile: its word (`TakenIds`) can come
-            // after the hold, with the session moved here (`send_session`).
-            if self.twin_took(sid, h.msg.id, 0, now) {
-                continue;
-            }
-            self.deliver(sid, &h.msg, h.qos, h.retain, h.sub_ids, now);
-        }
+        self.deliver_held(sid, u.held, now);
         self.queue_in_origin_order(sid, now);
         self.pump(sid, now);
         self.release_gates();
+    }
+
+    /// Delivers to session `sid` what an unconfirmed version of it held, but for what
+    /// another version took meanwhile: that version's word (`TakenIds`) can come after the
+    /// hold, with the session moved here (`send_session`).
+    pub(super) fn deliver_held(&mut self, sid: SessionId, held: Vec<HeldMessage>, now: u64) {
+        for h in held {
+            if !self.twin_took(sid, h.msg.id, 0, now) {
+                self.deliver(sid, &h.msg, h.qos, h.retain, h.sub_ids, now);
+            }
+        }
     }
 
     /// A claim of this node brings session `client_id` from `peer` while an unconfirmed

@@ -914,13 +914,7 @@ impl Engine {
             );
         }
         if let Some(&sid) = self.by_client.get(client_id) {
-            for h in held {
-                // As at `confirm`: not what another version took.
-                if self.twin_took(sid, h.msg.id, 0, now) {
-                    continue;
-                }
-                self.deliver(sid, &h.msg, h.qos, h.retain, h.sub_ids, now);
-            }
+            self.deliver_held(sid, held, now);
         }
     }
 
