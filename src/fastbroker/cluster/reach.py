@@ -1,0 +1,148 @@
+"""Partial splits: which members each node hears, told in its pings, and which node steps
+aside when two members stop hearing each other while a third still hears both.
+
+The data plane's rules for splits (docs/cluster-sessions.md, "Splits: one side acts") are
+made for clean cuts, where each node reaches either a majority or not. In a partial split
+(n1 and n2 cut apart, n3 reaching both) n1 and n2 each reach a majority (themselves and
+the bridge), so both would act on the other as dead while it serves on, reachable through
+n3: the fault suite lost acknowledged messages that way (docs/chaos.md, "Partial splits").
+As SWIM's indirect probe does, a member is taken for gone only when no node in reach still
+hears it:
+
+- the leader removes no member that another member it hears still hears
+  (`ClusterNode.detect_failures`);
+- of two members cut apart while a third hears both, the one that hears fewer members
+  (equal: the one whose id sorts last) closes its data links and refuses new ones until
+  it hears the other again. That turns the partial split into a clean one (that node
+  alone on its side, serving its own clients as a cut-off node does), which the data
+  plane handles. Its control links stay up, so it learns when the cut heals, and it does
+  not leave the membership.
+
+Pure functions of what the pings said; the node calls them each tick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+
+class Heard(Protocol):
+    """What this node keeps of a peer's pings (`fastbroker.cluster.node.PeerView`)."""
+
+    last_seen: int
+    # Members the peer heard, with how long before its ping (ms).
+    reach: dict[str, int]
+    # For each member the peer heard: the members that one said it hears.
+    relayed: dict[str, frozenset[str]]
+
+
+def suspect_after_ms(failure_timeout_ms: int, heartbeat_ms: int) -> int:
+    """How long a member unheard here, while another node hears it, makes a partial split:
+    past a few lost pings, well before the failure timeout (when the data plane starts
+    acting on a silent peer). Until a node steps aside, the data plane runs on a partial
+    mesh (a third node relays between the two), which the fault suite shows is where the
+    anomalies left come from: so, as short as pings allow."""
+    return max(failure_timeout_ms // 10, 4 * heartbeat_ms)
+
+
+def confirm_after_ms(heartbeat_ms: int) -> int:
+    """How long pings must keep showing a partial split before this node steps aside: a
+    ping that waited in this node's socket buffer (a busy event loop) reports hearing a
+    member later than it did, the next ones do not."""
+    return 2 * heartbeat_ms
+
+
+def reach_of(
+    peers: Mapping[str, Heard], members: Iterable[str], own: str, now: int, within_ms: int
+) -> dict[str, int]:
+    """The members (other than `own`) heard within `within_ms`, with how long ago."""
+    reach = {}
+    for member in members:
+        view = peers.get(member)
+        if member != own and view is not None and view.last_seen:
+            age = now - view.last_seen
+            if age < within_ms:
+                reach[member] = age
+    return reach
+
+
+def ping_fields(
+    peers: Mapping[str, Heard], members: Iterable[str], own: str, now: int, within_ms: int
+) -> dict[str, Any]:
+    """What a ping says of reach: whom this node hears, and whom each of those hears."""
+    reach = reach_of(peers, members, own, now, within_ms)
+    relayed = {member: sorted(peers[member].reach) for member in reach}
+    return {"reach": reach, "relayed": relayed}
+
+
+def parse_reach(value: Any) -> dict[str, int]:
+    """A ping's `reach`: member ids to ages (ms); anything else (an older node's ping, a
+    hostile one) is dropped."""
+    if not isinstance(value, dict):
+        return {}
+    return {
+        k: v for k, v in value.items() if isinstance(k, str) and type(v) is int and 0 <= v < 1 << 31
+    }
+
+
+def parse_relayed(value: Any) -> dict[str, frozenset[str]]:
+    """A ping's `relayed`: member ids to the member ids they hear; as `parse_reach`."""
+    if not isinstance(value, dict):
+        return {}
+    return {
+        k: frozenset(m for m in v if isinstance(m, str))
+        for k, v in value.items()
+        if isinstance(k, str) and isinstance(v, list)
+    }
+
+
+def heard_through(
+    member: str, peers: Mapping[str, Heard], own: str, now: int, within_ms: int
+) -> list[str]:
+    """The peers that heard `member` within `within_ms` of now, going by their pings."""
+    through = []
+    for peer, view in peers.items():
+        if peer in (own, member) or not view.last_seen:
+            continue
+        age = view.reach.get(member)
+        if age is not None and age + (now - view.last_seen) < within_ms:
+            through.append(peer)
+    return sorted(through)
+
+
+def step_aside_for(
+    own: str,
+    members: Iterable[str],
+    peers: Mapping[str, Heard],
+    now: int,
+    heard_since: int,
+    suspect_ms: int,
+) -> tuple[str, str] | None:
+    """(the member this node is cut off from, a node that still hears it) if this node is
+    the one of the two that steps aside (see above); else None. A member counts as unheard
+    from `heard_since` at the latest (this node's start or the last map change)."""
+    ids = sorted(members)
+    if own not in ids:
+        return None
+    fresh = suspect_ms // 2
+    own_reach = set(reach_of(peers, ids, own, now, suspect_ms))
+    for member in ids:
+        if member == own:
+            continue
+        view = peers.get(member)
+        heard = max(view.last_seen if view is not None else 0, heard_since)
+        if now - heard <= suspect_ms:
+            continue
+        through = [p for p in heard_through(member, peers, own, now, fresh) if p in ids]
+        if not through:
+            continue
+        # How many each of the two hears, not counting the other (whose loss each finds at
+        # a different moment); the member's as the nodes that hear it relay it, unknown
+        # (an older node) as a tie.
+        ours = len(own_reach - {member})
+        relayed = [peers[p].relayed[member] for p in through if member in peers[p].relayed]
+        theirs = max((len(r - {own}) for r in relayed), default=ours)
+        if ours < theirs or (ours == theirs and own > member):
+            return member, through[0]
+    return None

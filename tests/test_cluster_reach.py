@@ -1,0 +1,155 @@
+"""Partial splits, decided from what pings say (fastbroker.cluster.reach): which of two
+members cut apart while a third hears both steps aside, and that clean splits, stale pings
+and hostile ones make no node step aside."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastbroker.cluster.reach import (
+    confirm_after_ms,
+    heard_through,
+    parse_reach,
+    parse_relayed,
+    ping_fields,
+    step_aside_for,
+    suspect_after_ms,
+)
+
+SUSPECT = 1250
+NOW = 100_000
+
+
+@dataclass
+class View:
+    last_seen: int
+    reach: dict[str, int] = field(default_factory=dict)
+    relayed: dict[str, frozenset[str]] = field(default_factory=dict)
+
+
+def mesh(own: str, members: list[str], cut: set[frozenset[str]], silent_for: int) -> dict:
+    """The views `own` holds of its peers' pings: links in `cut` have been silent for
+    `silent_for` ms, every other link answers every 100 ms."""
+
+    def hears(a: str, b: str) -> bool:
+        return frozenset((a, b)) not in cut
+
+    def reach(a: str) -> dict[str, int]:
+        return {
+            b: (50 if hears(a, b) else silent_for)
+            for b in members
+            if b != a and (hears(a, b) or silent_for < SUSPECT)
+        }
+
+    views = {}
+    for peer in members:
+        if peer == own:
+            continue
+        if hears(own, peer):
+            relayed = {m: frozenset(reach(m)) for m in reach(peer) if m != own}
+            views[peer] = View(NOW - 50, reach(peer), relayed)
+        else:
+            views[peer] = View(NOW - silent_for)
+    return views
+
+
+def decide(own: str, members: list[str], cut: set[frozenset[str]], silent_for: int = 3000):
+    views = mesh(own, members, cut, silent_for)
+    return step_aside_for(own, members, views, NOW, 0, SUSPECT)
+
+
+def test_the_default_settings_suspect_a_partial_split_well_before_the_failure_timeout():
+    assert suspect_after_ms(5000, 150) == 600
+    assert suspect_after_ms(20_000, 150) == 2000
+    assert suspect_after_ms(1000, 100) == 400
+    assert confirm_after_ms(150) == 300
+
+
+def test_of_two_members_cut_apart_while_a_third_hears_both_the_one_that_sorts_last_steps_aside():
+    three = ["n1", "n2", "n3"]
+    cut = {frozenset(("n1", "n2"))}
+    assert decide("n2", three, cut) == ("n1", "n3")
+    assert decide("n1", three, cut) is None
+    # The bridge hears everyone.
+    assert decide("n3", three, cut) is None
+
+
+def test_no_node_steps_aside_in_a_whole_cluster_or_before_the_suspect_time():
+    three = ["n1", "n2", "n3"]
+    assert all(decide(n, three, set()) is None for n in three)
+    cut = {frozenset(("n1", "n2"))}
+    assert decide("n2", three, cut, silent_for=SUSPECT - 100) is None
+
+
+def test_a_clean_split_makes_no_node_step_aside():
+    """n1 alone: n2 and n3 lost it at the same moment, so neither hears it through the
+    other once the suspect time has passed."""
+    three = ["n1", "n2", "n3"]
+    cut = {frozenset(("n1", "n2")), frozenset(("n1", "n3"))}
+    for own in three:
+        assert decide(own, three, cut) is None
+
+
+def test_a_relayed_ping_older_than_half_the_suspect_time_is_not_taken_as_hearing():
+    views = {
+        "n1": View(NOW - 3000),
+        "n3": View(NOW - 300, {"n1": SUSPECT // 2 - 200, "n2": 10}),
+    }
+    assert heard_through("n1", views, "n2", NOW, SUSPECT // 2) == []
+    assert step_aside_for("n2", ["n1", "n2", "n3"], views, NOW, 0, SUSPECT) is None
+    views["n3"].last_seen = NOW - 100
+    assert heard_through("n1", views, "n2", NOW, SUSPECT // 2) == ["n3"]
+
+
+def test_the_member_that_hears_fewer_steps_aside_whatever_the_names():
+    """Five nodes: n1 reaches only n5; n2, n3 and n4 reach each other and n5. n1 steps
+    aside, not the three it is cut off from (which would leave no side with a majority)."""
+    five = ["n1", "n2", "n3", "n4", "n5"]
+    cut = {frozenset(("n1", m)) for m in ("n2", "n3", "n4")}
+    assert decide("n1", five, cut) == ("n2", "n5")
+    for own in ("n2", "n3", "n4", "n5"):
+        assert decide(own, five, cut) is None
+
+
+def test_the_other_members_stale_count_of_this_one_does_not_make_both_step_aside():
+    """n1's relayed reach still names n2 (its ping was made before it lost n2): neither
+    count includes the other member, so n2 still sorts last and alone steps aside."""
+    views = {
+        "n1": View(NOW - 3000),
+        "n3": View(NOW - 50, {"n1": 50, "n2": 50}, {"n1": frozenset({"n2", "n3"})}),
+    }
+    assert step_aside_for("n2", ["n1", "n2", "n3"], views, NOW, 0, SUSPECT) == ("n1", "n3")
+    views = {
+        "n2": View(NOW - 3000),
+        "n3": View(NOW - 50, {"n1": 50, "n2": 50}, {"n2": frozenset({"n1", "n3"})}),
+    }
+    assert step_aside_for("n1", ["n1", "n2", "n3"], views, NOW, 0, SUSPECT) is None
+
+
+def test_a_member_never_heard_counts_from_the_start_or_the_last_map_change():
+    views = {"n3": View(NOW - 50, {"n1": 50}, {"n1": frozenset({"n3"})})}
+    three = ["n1", "n2", "n3"]
+    assert step_aside_for("n2", three, views, NOW, NOW - 500, SUSPECT) is None
+    assert step_aside_for("n2", three, views, NOW, NOW - 2000, SUSPECT) == ("n1", "n3")
+    # Not a member (joining, or removed): it never steps aside.
+    assert step_aside_for("n4", three, views, NOW, 0, SUSPECT) is None
+
+
+def test_a_ping_says_whom_the_node_hears_and_whom_each_of_those_hears():
+    views = {
+        "n1": View(NOW - 40, {"n3": 30}),
+        "n3": View(NOW - 3000, {"n1": 10}),
+        "n9": View(NOW - 10, {"n1": 10}),
+    }
+    fields = ping_fields(views, ["n1", "n2", "n3"], "n2", NOW, SUSPECT)
+    assert fields == {"reach": {"n1": 40}, "relayed": {"n1": ["n3"]}}
+
+
+def test_malformed_reach_in_a_ping_is_dropped_not_trusted():
+    assert parse_reach(None) == {}
+    assert parse_reach([1, 2]) == {}
+    assert parse_reach({"n1": 5, "n2": -1, "n3": "x", 4: 1, "n4": True, "n5": 1 << 40}) == {"n1": 5}
+    assert parse_relayed({"n1": ["n2", 3, None], "n2": "n3", 5: ["n1"]}) == {
+        "n1": frozenset({"n2"})
+    }
+    assert parse_relayed("x") == {}
