@@ -229,6 +229,12 @@ def status(admin: str, as_json: bool, partitions: bool) -> None:
         f"asked node {data['node_id']}: {raft.get('role')}, term {raft.get('term')}, "
         f"leader {data.get('leader') or 'unknown'}{pending}"
     )
+    split = data.get("partial_split")
+    if split:
+        click.echo(
+            f"partial split: cut off from {split['cut_off_from']}, which "
+            f"{split['heard_through']} still hears; this node's data links are closed"
+        )
     rows = [
         (
             "NODE",

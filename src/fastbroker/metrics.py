@@ -328,6 +328,11 @@ class BrokerCollector:
             int(status.get("leader") == status.get("node_id")),
         )
         yield gauge("cluster_raft_term", "Consensus term", raft.get("term", 0))
+        yield gauge(
+            "cluster_partial_split_stepped_aside",
+            "1 while this node keeps its data links closed in a partial split",
+            int(status.get("partial_split") is not None),
+        )
         version = status.get("map_version")
         if version is not None:
             yield gauge("cluster_map_version", "Version of the cluster map", version)

@@ -34,6 +34,15 @@ from fastbroker.cluster.dataplane import DATA, DataPlane
 from fastbroker.cluster.discovery import DiscoveryProvider, LocalNode, parse_discovery
 from fastbroker.cluster.partitions import PartitionMap, compute_map, moved
 from fastbroker.cluster.raft import ClusterConfig, PersistentState, Raft
+from fastbroker.cluster.reach import (
+    confirm_after_ms,
+    heard_through,
+    parse_reach,
+    parse_relayed,
+    ping_fields,
+    step_aside_for,
+    suspect_after_ms,
+)
 from fastbroker.cluster.transport import (
     Transport,
     format_address,
@@ -52,6 +61,8 @@ LEAVE = 20
 # A member stopping for a restart (SIGTERM): {"back_within_ms": n}. Nodes that do not know
 # the kind ignore it.
 STOPPING = 21
+# Why data links are refused while this node steps aside in a partial split.
+PARTIAL = "partial split"
 # The longest stay away a stop notice may ask for (as `[cluster] restart_timeout_ms`).
 MAX_RESTART_MS = 86_400_000
 
@@ -156,6 +167,8 @@ class PeerView:
         "last_seen",
         "leader",
         "member_ids",
+        "reach",
+        "relayed",
         "sessions",
         "streaming",
     )
@@ -171,6 +184,10 @@ class PeerView:
         self.config_index = 0
         self.leader: str | None = None
         self.member_ids: tuple[str, ...] = ()
+        # Whom it hears (cluster/reach.py): member -> ms before its ping; and whom each of
+        # those hears.
+        self.reach: dict[str, int] = {}
+        self.relayed: dict[str, frozenset[str]] = {}
 
 
 class ClusterNode:
@@ -218,6 +235,13 @@ class ClusterNode:
         # member -> until when (ms) it is kept in the map while away: it stopped for a
         # restart, and removing it would move its partitions away and back (two rebalances).
         self.planned_stops: dict[str, int] = {}
+        # In a partial split, (the member this node is cut off from, a node that still hears
+        # it, since when): its data links stay closed meanwhile (cluster/reach.py).
+        self.stepped_aside: tuple[str, str, int] | None = None
+        # Since when the pings have shown a partial split that this node has not yet
+        # stepped aside for: it must show in pings of two heartbeats (cluster/reach.py).
+        self.partial_seen_at: int | None = None
+        self.suspect_ms = suspect_after_ms(settings.failure_timeout_ms, settings.heartbeat_ms)
         self.left = asyncio.Event()
         self.tick_task: asyncio.Task[None] | None = None
         self.discovery_task: asyncio.Task[None] | None = None
@@ -404,6 +428,7 @@ class ClusterNode:
         if now - self.last_ping >= self.settings.heartbeat_ms:
             self.last_ping = now
             self.send_pings(now)
+        self.check_partial_split(now)
         self.transport.set_targets(self.link_targets())
         self.transport.maintain()
 
@@ -623,16 +648,61 @@ class ClusterNode:
             heard = max(heard, self.leader_since(now))
             if now < self.planned_stops.get(member, 0):
                 continue
-            if now - heard > timeout:
-                reason = raft.propose(config.without_member(member), now)
-                if reason is None:
-                    logger.warning(
-                        "removing member %s: not heard from for %.1f s",
-                        member,
-                        (now - heard) / 1000,
-                    )
-                    self.after_raft_step(now)
-                return
+            if now - heard <= timeout:
+                continue
+            through = heard_through(member, self.peers, self.node_id, now, timeout // 2)
+            if set(through) & set(config.member_ids()):
+                # A partial split: another member still hears it (cluster/reach.py).
+                continue
+            reason = raft.propose(config.without_member(member), now)
+            if reason is None:
+                logger.warning(
+                    "removing member %s: not heard from for %.1f s",
+                    member,
+                    (now - heard) / 1000,
+                )
+                self.after_raft_step(now)
+            return
+
+    def check_partial_split(self, now: int) -> None:
+        """Steps aside in a partial split (its data links closed), and back once the member
+        it was cut off from is heard again, or is heard by no node (cluster/reach.py)."""
+        raft = self.raft
+        config = raft.committed_config if raft is not None else None
+        found = None
+        if self.dataplane is not None and config is not None and not self.leaving:
+            since = max(self.started_ms, self.map_changed_at)
+            found = step_aside_for(
+                self.node_id, config.member_ids(), self.peers, now, since, self.suspect_ms
+            )
+        current = self.stepped_aside
+        if found is None or current is not None:
+            self.partial_seen_at = None
+        elif self.partial_seen_at is None:
+            self.partial_seen_at = now
+        seen = self.partial_seen_at
+        confirmed = seen is not None and now - seen >= confirm_after_ms(self.settings.heartbeat_ms)
+        if found is not None and current is None and confirmed:
+            member, through = found
+            logger.warning(
+                "partial split: cut off from %s, which %s still hears; this node steps "
+                "aside (data links closed) until it hears %s again",
+                member,
+                through,
+                member,
+            )
+            self.stepped_aside = (member, through, now)
+            self.transport.refuse_data(f"partial split: cut off from {member}", cause=PARTIAL)
+        elif found is None and current is not None and now - current[2] >= self.suspect_ms:
+            member = current[0]
+            view = self.peers.get(member)
+            heard = view is not None and now - view.last_seen <= self.suspect_ms
+            logger.warning(
+                "partial split over: %s; data links open again",
+                f"{member} heard again" if heard else f"no node hears {member} any more",
+            )
+            self.stepped_aside = None
+            self.transport.refuse_data(None, cause=PARTIAL)
 
     def leader_since(self, now: int) -> int:
         raft = self.raft
@@ -804,6 +874,9 @@ class ClusterNode:
             "copies": self.count_clients()[2],
             "streaming": self.count_clients()[3],
         }
+        if committed is not None:
+            members = committed.member_ids()
+            ping.update(ping_fields(self.peers, members, self.node_id, now, self.suspect_ms))
         for peer in self.transport.connected():
             self.transport.send(peer, PING, ping)
 
@@ -846,6 +919,8 @@ class ClusterNode:
         view.member_ids = (
             tuple(m for m in members if isinstance(m, str)) if isinstance(members, list) else ()
         )
+        view.reach = parse_reach(ping.get("reach"))
+        view.relayed = parse_relayed(ping.get("relayed"))
         own = self.cluster_id()
         if own is not None and view.cluster_id is not None and view.cluster_id != own:
             if view.cluster_id not in self.warned_clusters:
@@ -1023,6 +1098,12 @@ class ClusterNode:
                 else self.settings.replication_factor
             ),
             "pending_change": latest != config,
+            # This node stepped aside in a partial split (cluster/reach.py), or None.
+            "partial_split": (
+                {"cut_off_from": self.stepped_aside[0], "heard_through": self.stepped_aside[1]}
+                if self.stepped_aside is not None
+                else None
+            ),
             "members": members,
             "links": self.transport.stats(),
             "data_plane": self.dataplane.stats() if self.dataplane is not None else {},

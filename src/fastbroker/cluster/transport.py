@@ -573,8 +573,9 @@ class Transport:
         # The id of the cluster this node is in (None before it joins one): links to nodes
         # of another cluster are refused. Set by the node that owns the transport.
         self.cluster_id: Callable[[], str | None] = lambda: None
-        # Why data links are refused for now (this node's store fails), or None.
-        self.data_refused: str | None = None
+        # Why data links are refused for now, by cause (this node's store fails; it steps
+        # aside in a partial split): none, they are not.
+        self.data_refusals: dict[str, str] = {}
         self.handshaking = 0
         # Traffic per authenticated peer since this node started, and before authentication.
         self.traffic: dict[str, Traffic] = {}
@@ -745,13 +746,20 @@ class Transport:
         if self.on_peer_up is not None:
             self.on_peer_up(peer)
 
-    def refuse_data(self, reason: str | None) -> None:
-        """Closes the data links and refuses new ones while `reason` is set; control links
-        (membership) stay."""
-        self.data_refused = reason
-        if reason is not None:
-            for link in list(self.data_links.values()):
-                link.close(f"data link closed: {reason}", level=logging.WARNING)
+    @property
+    def data_refused(self) -> str | None:
+        """Why data links are refused now (the first cause's reason), or None."""
+        return next(iter(self.data_refusals.values()), None)
+
+    def refuse_data(self, reason: str | None, cause: str = "store") -> None:
+        """Closes the data links and refuses new ones while a `reason` is set for any
+        `cause`; control links (membership) stay."""
+        if reason is None:
+            self.data_refusals.pop(cause, None)
+            return
+        self.data_refusals[cause] = reason
+        for link in list(self.data_links.values()):
+            link.close(f"data link closed: {reason}", level=logging.WARNING)
 
     def data_link_up(self, link: Link) -> None:
         peer = link.peer_id
