@@ -2212,6 +2212,7 @@ impl Engine {
         // A copy handed over or replaced by this batch answers the claims that waited on it.
         self.watch_copies(now);
         let waits = std::mem::take(&mut self.replicas.waits);
+        self.replicas.gate_waits.clear();
         if h.seq != 0 && !waits.is_empty() {
             let peer = self.cluster.peer_mut(id).expect("checked");
             peer.recv_held.push_back((h.seq, waits));
@@ -2393,6 +2394,7 @@ impl Engine {
         if std::mem::take(&mut self.replicas.degraded) {
             self.replicas_degraded_ack();
         }
+        self.replicas.gate_waits.clear();
         if !self.replicas.waits.is_empty() {
             let copies = std::mem::take(&mut self.replicas.waits);
             self.cluster.waits.extend(copies);

@@ -16,6 +16,13 @@ use super::state::SessionId;
 use super::{ConnId, Engine};
 use crate::codec::QoS;
 
+/// Where the copies queued after a moment start, in `replicas.waits` and `gate_waits`.
+#[derive(Clone, Copy)]
+pub(super) struct WaitMark {
+    acks: usize,
+    gates: usize,
+}
+
 /// Output of one connection held from `from` on until its copies are acknowledged.
 struct Gate {
     /// The connection's serial (ids are reused).
@@ -56,16 +63,29 @@ impl Gates {
 }
 
 impl Engine {
+    /// Where the copies queued from now on start (`gate_output`).
+    pub(super) fn wait_mark(&self) -> WaitMark {
+        WaitMark {
+            acks: self.replicas.waits.len(),
+            gates: self.replicas.gate_waits.len(),
+        }
+    }
+
     /// What connection `cid` got from byte `from` of its output on waits for the copies
-    /// queued since `mark` (the length `replicas.waits` had), if any were.
-    pub(super) fn gate_output(&mut self, cid: ConnId, from: usize, mark: usize) {
-        if self.replicas.waits.len() <= mark {
+    /// queued since `mark`, if any were: on every other owner in reach, not only the
+    /// `ack_replicas - 1` an acknowledgement waits for. In a partial split (docs/chaos.md)
+    /// a home sent QoS 2 with one owner's word while the other, its link silent, kept a
+    /// copy without the flight, and served that copy later: the client got it twice.
+    pub(super) fn gate_output(&mut self, cid: ConnId, from: usize, mark: WaitMark) {
+        let gates = mark.gates.min(self.replicas.gate_waits.len());
+        let mut new: Vec<(PeerId, u64)> = self.replicas.gate_waits.drain(gates..).collect();
+        new.extend_from_slice(self.replicas.waits.get(mark.acks..).unwrap_or_default());
+        if new.is_empty() {
             return;
         }
         let Some(serial) = self.conn(cid).map(|c| c.serial) else {
             return;
         };
-        let new = &self.replicas.waits[mark..];
         let gate = self.gates.held.entry(cid).or_insert_with(|| Gate {
             serial,
             from,
@@ -79,7 +99,7 @@ impl Engine {
             };
         }
         gate.from = gate.from.min(from);
-        gate.waits.extend_from_slice(new);
+        gate.waits.extend(new);
     }
 
     /// Session `sid` resumed on connection `cid`, which got its QoS 2 flows again from
@@ -98,7 +118,7 @@ impl Engine {
             return;
         }
         let client = self.session(sid).expect("checked").client_id.clone();
-        let mark = self.replicas.waits.len();
+        let mark = self.wait_mark();
         for p in self.replicas.other_owners(&client) {
             let seq = self.cluster.last_reliable(p);
             if seq != 0 {

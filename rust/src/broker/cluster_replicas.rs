@@ -230,6 +230,9 @@ pub(super) struct Replicas {
     /// The (peer, batch) pairs copies of the publish being handled went in: its
     /// acknowledgement waits for them.
     pub(super) waits: Vec<(PeerId, u64)>,
+    /// Those of the other owners in reach past `ack_replicas - 1`: output gates
+    /// (`cluster_gates`) wait for them too, acknowledgements do not.
+    pub(super) gate_waits: Vec<(PeerId, u64)>,
     /// Released messages this batch brought that `take_released` could not take by their
     /// packet id: delivered as new ones once the batch is in (`deliver_released_later`).
     released_later: Vec<(SessionId, Delivery)>,
@@ -502,6 +505,8 @@ impl Engine {
             if up && waited < need {
                 self.replicas.waits.push((t, seq));
                 waited += 1;
+            } else if up {
+                self.replicas.gate_waits.push((t, seq));
             }
         }
         if queued && waited < need {
@@ -1101,7 +1106,7 @@ impl Engine {
             return;
         }
         self.replicas.stats.released_taken += 1;
-        let mark = self.replicas.waits.len();
+        let mark = self.wait_mark();
         let from = conn.and_then(|c| self.conn(c)).map_or(0, |c| c.out.len());
         self.store_delivery(sid, &mut d, now);
         self.store_flight(sid, d.seq, pkid, AwaitingAck::PubComp);

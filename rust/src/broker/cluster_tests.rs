@@ -6282,6 +6282,36 @@ fn qos2_a_home_that_loses_one_peer_of_three_sends_at_once() {
 }
 
 #[test]
+fn qos2_a_home_that_owns_no_copy_waits_for_every_owner_in_reach() {
+    // Seen in partial splits (docs/chaos.md): "dev" lives on node 0, its copies on nodes 1
+    // and 2. Node 2's link went silent (cut off from node 0 only); node 0 sent m1 with node
+    // 1's word alone, and node 2, whose copy lacked the flight, later took the session over
+    // and sent m1 again. m1 now waits for node 2 too while its link is up.
+    let (mut n, mut disks) = copying_nodes(3, &[1, 2], 0);
+    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
+    n.h[0].subscribe(dev, "cmd/#", QoS::ExactlyOnce);
+    let publisher = connect_on(&mut n, 0, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    n.h[0].recv();
+    n.mute.extend_from_slice(&[(0, 2), (2, 0)]);
+    let packet = super::tests::publish_packet("cmd/dev", "m1", QoS::ExactlyOnce, false, 1);
+    n.h[0].send(publisher, Packet::Publish(packet));
+    settle_and_sync(&mut n, &mut disks);
+    // The publisher's PUBREC waits for `ack_replicas - 1` owners only (node 1 has it).
+    let got = n.h[0].recv_one(publisher);
+    assert!(matches!(got.as_slice(), [Packet::PubRec(_)]), "{got:?}");
+    assert!(
+        payloads(&n.h[0].recv_one(dev)).is_empty(),
+        "sent with node 1's word only"
+    );
+    // Node 2's link found down: this side acts (nodes 0 and 1), m1 goes.
+    n.mute.clear();
+    n.cut_link(0, 2);
+    settle_and_sync(&mut n, &mut disks);
+    assert_eq!(payloads(&n.h[0].recv_one(dev)), ["m1"]);
+}
+
+#[test]
 fn a_node_cut_off_from_the_majority_neither_resumes_nor_takes_over_from_its_copies() {
     // Node 2 holds the copies of node 0's "dev" (m1 queued) and "lamp"; cut off alone, it
     // may not act on them: node 0 lives on beyond the split as far as it can tell. Dev is

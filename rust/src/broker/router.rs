@@ -285,7 +285,7 @@ impl Engine {
             Some(i) => {
                 session.inflight[i].state = AwaitingAck::PubComp;
                 let seq = session.inflight[i].delivery.seq;
-                let mark = self.replicas.waits.len();
+                let mark = self.wait_mark();
                 let from = self.conn(id).map_or(0, |c| c.out.len());
                 self.store_flight(sid, seq, ack.pkid, AwaitingAck::PubComp);
                 self.send(id, &Packet::PubRel(Engine::ack(ack.pkid, 0)));
@@ -676,7 +676,7 @@ impl Engine {
             return;
         }
         // Stored (with its packet id, below) before the PUBLISH can reach the network.
-        let mark = self.replicas.waits.len();
+        let mark = self.wait_mark();
         let from = self.conn(cid).map_or(0, |c| c.out.len());
         self.store_delivery(sid, &mut d, now);
         let pkid = if d.qos == QoS::AtMostOnce {
