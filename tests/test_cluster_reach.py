@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from fastbroker.cluster.reach import (
     confirm_after_ms,
     heard_through,
+    note_ping,
     parse_reach,
     parse_relayed,
     ping_fields,
@@ -20,11 +21,15 @@ SUSPECT = 1250
 NOW = 100_000
 
 
+LONG = 60_000
+
+
 @dataclass
 class View:
     last_seen: int
-    reach: dict[str, int] = field(default_factory=dict)
+    reach: dict[str, tuple[int, int]] = field(default_factory=dict)
     relayed: dict[str, frozenset[str]] = field(default_factory=dict)
+    heard_since: int = NOW - LONG
 
 
 def mesh(own: str, members: list[str], cut: set[frozenset[str]], silent_for: int) -> dict:
@@ -34,9 +39,9 @@ def mesh(own: str, members: list[str], cut: set[frozenset[str]], silent_for: int
     def hears(a: str, b: str) -> bool:
         return frozenset((a, b)) not in cut
 
-    def reach(a: str) -> dict[str, int]:
+    def reach(a: str) -> dict[str, tuple[int, int]]:
         return {
-            b: (50 if hears(a, b) else silent_for)
+            b: ((50, LONG) if hears(a, b) else (silent_for, LONG))
             for b in members
             if b != a and (hears(a, b) or silent_for < SUSPECT)
         }
@@ -59,9 +64,9 @@ def decide(own: str, members: list[str], cut: set[frozenset[str]], silent_for: i
 
 
 def test_the_default_settings_suspect_a_partial_split_well_before_the_failure_timeout():
-    assert suspect_after_ms(5000, 150) == 600
+    assert suspect_after_ms(5000, 150) == 900
+    assert suspect_after_ms(5000, 100) == 600
     assert suspect_after_ms(20_000, 150) == 2000
-    assert suspect_after_ms(1000, 100) == 400
     assert confirm_after_ms(150) == 300
 
 
@@ -93,12 +98,30 @@ def test_a_clean_split_makes_no_node_step_aside():
 def test_a_relayed_ping_older_than_half_the_suspect_time_is_not_taken_as_hearing():
     views = {
         "n1": View(NOW - 3000),
-        "n3": View(NOW - 300, {"n1": SUSPECT // 2 - 200, "n2": 10}),
+        "n3": View(NOW - 300, {"n1": (SUSPECT // 2 - 200, LONG), "n2": (10, LONG)}),
     }
-    assert heard_through("n1", views, "n2", NOW, SUSPECT // 2) == []
+    assert heard_through("n1", views, "n2", NOW, SUSPECT // 2, NOW - 3000) == []
     assert step_aside_for("n2", ["n1", "n2", "n3"], views, NOW, 0, SUSPECT) is None
     views["n3"].last_seen = NOW - 100
-    assert heard_through("n1", views, "n2", NOW, SUSPECT // 2) == ["n3"]
+    assert heard_through("n1", views, "n2", NOW, SUSPECT // 2, NOW - 3000) == ["n3"]
+
+
+def test_links_of_a_clean_split_coming_back_one_at_a_time_are_no_partial_split():
+    """At the heal of n2 cut off alone, n2 hears n3 again before n1 (each link finds its
+    way back on its own): n3 hears n1, but n2 has heard n3 only since after it lost n1."""
+    views = {
+        "n1": View(NOW - 4000, heard_since=NOW - LONG),
+        "n3": View(NOW - 50, {"n1": (50, LONG), "n2": (50, 300)}, {"n1": frozenset({"n3"})}),
+    }
+    views["n3"].heard_since = NOW - 300
+    assert step_aside_for("n2", ["n1", "n2", "n3"], views, NOW, 0, SUSPECT) is None
+    # Nor when n1 starts again after a stop and reaches n3 first: n3 has heard the new n1
+    # only since after n2 last heard the old one.
+    views["n3"] = View(NOW - 50, {"n1": (50, 300), "n2": (50, LONG)}, {"n1": frozenset({"n3"})})
+    assert step_aside_for("n2", ["n1", "n2", "n3"], views, NOW, 0, SUSPECT) is None
+    # Heard without a break on both sides since before n2 lost n1: a partial split.
+    views["n3"] = View(NOW - 50, {"n1": (50, LONG), "n2": (50, LONG)}, {"n1": frozenset({"n3"})})
+    assert step_aside_for("n2", ["n1", "n2", "n3"], views, NOW, 0, SUSPECT) == ("n1", "n3")
 
 
 def test_the_member_that_hears_fewer_steps_aside_whatever_the_names():
@@ -114,20 +137,21 @@ def test_the_member_that_hears_fewer_steps_aside_whatever_the_names():
 def test_the_other_members_stale_count_of_this_one_does_not_make_both_step_aside():
     """n1's relayed reach still names n2 (its ping was made before it lost n2): neither
     count includes the other member, so n2 still sorts last and alone steps aside."""
+    heard = {"n1": (50, LONG), "n2": (50, LONG)}
     views = {
         "n1": View(NOW - 3000),
-        "n3": View(NOW - 50, {"n1": 50, "n2": 50}, {"n1": frozenset({"n2", "n3"})}),
+        "n3": View(NOW - 50, heard, {"n1": frozenset({"n2", "n3"})}),
     }
     assert step_aside_for("n2", ["n1", "n2", "n3"], views, NOW, 0, SUSPECT) == ("n1", "n3")
     views = {
         "n2": View(NOW - 3000),
-        "n3": View(NOW - 50, {"n1": 50, "n2": 50}, {"n2": frozenset({"n1", "n3"})}),
+        "n3": View(NOW - 50, heard, {"n2": frozenset({"n1", "n3"})}),
     }
     assert step_aside_for("n1", ["n1", "n2", "n3"], views, NOW, 0, SUSPECT) is None
 
 
 def test_a_member_never_heard_counts_from_the_start_or_the_last_map_change():
-    views = {"n3": View(NOW - 50, {"n1": 50}, {"n1": frozenset({"n3"})})}
+    views = {"n3": View(NOW - 50, {"n1": (50, LONG)}, {"n1": frozenset({"n3"})})}
     three = ["n1", "n2", "n3"]
     assert step_aside_for("n2", three, views, NOW, NOW - 500, SUSPECT) is None
     assert step_aside_for("n2", three, views, NOW, NOW - 2000, SUSPECT) == ("n1", "n3")
@@ -137,18 +161,31 @@ def test_a_member_never_heard_counts_from_the_start_or_the_last_map_change():
 
 def test_a_ping_says_whom_the_node_hears_and_whom_each_of_those_hears():
     views = {
-        "n1": View(NOW - 40, {"n3": 30}),
-        "n3": View(NOW - 3000, {"n1": 10}),
-        "n9": View(NOW - 10, {"n1": 10}),
+        "n1": View(NOW - 40, {"n3": (30, 900)}, heard_since=NOW - 700),
+        "n3": View(NOW - 3000, {"n1": (10, 900)}),
+        "n9": View(NOW - 10, {"n1": (10, 900)}),
     }
     fields = ping_fields(views, ["n1", "n2", "n3"], "n2", NOW, SUSPECT)
-    assert fields == {"reach": {"n1": 40}, "relayed": {"n1": ["n3"]}}
+    assert fields == {"reach": {"n1": [40, 700]}, "relayed": {"n1": ["n3"]}}
+
+
+def test_a_silence_longer_than_the_break_starts_a_new_stretch_of_hearing():
+    view = View(0, heard_since=0)
+    note_ping(view, 1000, 500)
+    assert (view.heard_since, view.last_seen) == (1000, 1000)
+    note_ping(view, 1400, 500)
+    assert (view.heard_since, view.last_seen) == (1000, 1400)
+    note_ping(view, 2000, 500)
+    assert (view.heard_since, view.last_seen) == (2000, 2000)
 
 
 def test_malformed_reach_in_a_ping_is_dropped_not_trusted():
     assert parse_reach(None) == {}
     assert parse_reach([1, 2]) == {}
-    assert parse_reach({"n1": 5, "n2": -1, "n3": "x", 4: 1, "n4": True, "n5": 1 << 40}) == {"n1": 5}
+    hostile = {"n1": [5, 9], "n2": [-1, 3], "n3": "x", 4: [1, 1], "n4": [True, 1], "n5": [1]}
+    hostile["n6"] = [1 << 41, 0]
+    hostile["n7"] = 5
+    assert parse_reach(hostile) == {"n1": (5, 9)}
     assert parse_relayed({"n1": ["n2", 3, None], "n2": "n3", 5: ["n1"]}) == {
         "n1": frozenset({"n2"})
     }

@@ -37,6 +37,7 @@ from fastbroker.cluster.raft import ClusterConfig, PersistentState, Raft
 from fastbroker.cluster.reach import (
     confirm_after_ms,
     heard_through,
+    note_ping,
     parse_reach,
     parse_relayed,
     ping_fields,
@@ -164,6 +165,7 @@ class PeerView:
         "cluster_id",
         "config_index",
         "copies",
+        "heard_since",
         "last_seen",
         "leader",
         "member_ids",
@@ -175,6 +177,7 @@ class PeerView:
 
     def __init__(self) -> None:
         self.last_seen = 0
+        self.heard_since = 0
         self.clients: int | None = None
         self.sessions: int | None = None
         self.copies: int | None = None
@@ -184,9 +187,9 @@ class PeerView:
         self.config_index = 0
         self.leader: str | None = None
         self.member_ids: tuple[str, ...] = ()
-        # Whom it hears (cluster/reach.py): member -> ms before its ping; and whom each of
-        # those hears.
-        self.reach: dict[str, int] = {}
+        # Whom it hears (cluster/reach.py): member -> (ms before its ping, ms heard without
+        # a break); and whom each of those hears.
+        self.reach: dict[str, tuple[int, int]] = {}
         self.relayed: dict[str, frozenset[str]] = {}
 
 
@@ -650,7 +653,7 @@ class ClusterNode:
                 continue
             if now - heard <= timeout:
                 continue
-            through = heard_through(member, self.peers, self.node_id, now, timeout // 2)
+            through = heard_through(member, self.peers, self.node_id, now, timeout // 2, heard)
             if set(through) & set(config.member_ids()):
                 # A partial split: another member still hears it (cluster/reach.py).
                 continue
@@ -898,7 +901,7 @@ class ClusterNode:
         # Back from its restart (or it never went).
         self.planned_stops.pop(sender, None)
         view = self.peers.setdefault(sender, PeerView())
-        view.last_seen = now
+        note_ping(view, now, self.suspect_ms)
         address = ping.get("address")
         view.address = address if isinstance(address, str) else None
         cluster_id = ping.get("cluster_id")

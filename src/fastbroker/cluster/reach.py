@@ -18,6 +18,11 @@ hears it:
   plane handles. Its control links stay up, so it learns when the cut heals, and it does
   not leave the membership.
 
+A partial split is told from the links of a clean split coming back one at a time (at
+the heal, or when a stopped node starts again) by continuity: this node lost the member
+while it heard the third node without a break, and the third node has heard the member
+without a break since before then.
+
 Pure functions of what the pings said; the node calls them each tick.
 """
 
@@ -31,8 +36,11 @@ class Heard(Protocol):
     """What this node keeps of a peer's pings (`fastbroker.cluster.node.PeerView`)."""
 
     last_seen: int
-    # Members the peer heard, with how long before its ping (ms).
-    reach: dict[str, int]
+    # Since when this node has heard the peer without a break (`note_ping`).
+    heard_since: int
+    # Members the peer heard: how long before its ping (ms), and for how long it had
+    # heard them without a break then.
+    reach: dict[str, tuple[int, int]]
     # For each member the peer heard: the members that one said it hears.
     relayed: dict[str, frozenset[str]]
 
@@ -42,8 +50,10 @@ def suspect_after_ms(failure_timeout_ms: int, heartbeat_ms: int) -> int:
     past a few lost pings, well before the failure timeout (when the data plane starts
     acting on a silent peer). Until a node steps aside, the data plane runs on a partial
     mesh (a third node relays between the two), which the fault suite shows is where the
-    anomalies left come from: so, as short as pings allow."""
-    return max(failure_timeout_ms // 10, 4 * heartbeat_ms)
+    anomalies left come from: so, as short as pings allow. Half of it is how fresh another
+    node's word must be (a ping every heartbeat, each on its way for part of one: three
+    heartbeats)."""
+    return max(failure_timeout_ms // 10, 6 * heartbeat_ms)
 
 
 def confirm_after_ms(heartbeat_ms: int) -> int:
@@ -53,17 +63,26 @@ def confirm_after_ms(heartbeat_ms: int) -> int:
     return 2 * heartbeat_ms
 
 
+def note_ping(view: Heard, now: int, break_ms: int) -> None:
+    """A ping from the peer of `view` came at `now`: a silence longer than `break_ms`
+    before it starts a new stretch of hearing it."""
+    if not view.last_seen or now - view.last_seen > break_ms:
+        view.heard_since = now
+    view.last_seen = now
+
+
 def reach_of(
     peers: Mapping[str, Heard], members: Iterable[str], own: str, now: int, within_ms: int
-) -> dict[str, int]:
-    """The members (other than `own`) heard within `within_ms`, with how long ago."""
+) -> dict[str, tuple[int, int]]:
+    """The members (other than `own`) heard within `within_ms`: how long ago, and for how
+    long without a break."""
     reach = {}
     for member in members:
         view = peers.get(member)
         if member != own and view is not None and view.last_seen:
             age = now - view.last_seen
             if age < within_ms:
-                reach[member] = age
+                reach[member] = (age, now - view.heard_since)
     return reach
 
 
@@ -73,16 +92,22 @@ def ping_fields(
     """What a ping says of reach: whom this node hears, and whom each of those hears."""
     reach = reach_of(peers, members, own, now, within_ms)
     relayed = {member: sorted(peers[member].reach) for member in reach}
-    return {"reach": reach, "relayed": relayed}
+    return {"reach": {m: list(v) for m, v in reach.items()}, "relayed": relayed}
 
 
-def parse_reach(value: Any) -> dict[str, int]:
-    """A ping's `reach`: member ids to ages (ms); anything else (an older node's ping, a
-    hostile one) is dropped."""
+def parse_reach(value: Any) -> dict[str, tuple[int, int]]:
+    """A ping's `reach`: member ids to [age, stretch] (ms); anything else (an older node's
+    ping, a hostile one) is dropped."""
     if not isinstance(value, dict):
         return {}
+
+    def ms(v: Any) -> bool:
+        return type(v) is int and 0 <= v < 1 << 40
+
     return {
-        k: v for k, v in value.items() if isinstance(k, str) and type(v) is int and 0 <= v < 1 << 31
+        k: (v[0], v[1])
+        for k, v in value.items()
+        if isinstance(k, str) and isinstance(v, list) and len(v) == 2 and ms(v[0]) and ms(v[1])
     }
 
 
@@ -98,15 +123,26 @@ def parse_relayed(value: Any) -> dict[str, frozenset[str]]:
 
 
 def heard_through(
-    member: str, peers: Mapping[str, Heard], own: str, now: int, within_ms: int
+    member: str,
+    peers: Mapping[str, Heard],
+    own: str,
+    now: int,
+    within_ms: int,
+    lost_at: int,
 ) -> list[str]:
-    """The peers that heard `member` within `within_ms` of now, going by their pings."""
+    """The peers that heard `member` within `within_ms` of now, going by their pings, and
+    heard it without a break since before `lost_at` (when this node last heard it), while
+    this node heard them without a break since then too (see above)."""
     through = []
     for peer, view in peers.items():
-        if peer in (own, member) or not view.last_seen:
+        if peer in (own, member) or not view.last_seen or view.heard_since > lost_at:
             continue
-        age = view.reach.get(member)
-        if age is not None and age + (now - view.last_seen) < within_ms:
+        heard = view.reach.get(member)
+        if heard is None:
+            continue
+        age, stretch = heard
+        since_ping = now - view.last_seen
+        if age + since_ping < within_ms and now - since_ping - stretch <= lost_at:
             through.append(peer)
     return sorted(through)
 
@@ -134,7 +170,8 @@ def step_aside_for(
         heard = max(view.last_seen if view is not None else 0, heard_since)
         if now - heard <= suspect_ms:
             continue
-        through = [p for p in heard_through(member, peers, own, now, fresh) if p in ids]
+        through = heard_through(member, peers, own, now, fresh, heard)
+        through = [p for p in through if p in ids]
         if not through:
             continue
         # How many each of the two hears, not counting the other (whose loss each finds at
