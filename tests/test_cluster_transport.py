@@ -528,3 +528,42 @@ def test_a_data_dial_left_hanging_by_a_split_does_not_hold_up_the_data_link_once
             await p.transport.close()
 
     run(main())
+
+
+def test_data_links_stay_refused_while_any_cause_holds_and_the_control_link_stays_up():
+    """A failing store and a partial split each close the data links and refuse new ones;
+    the links come back only once neither holds (the store recovering while the node still
+    steps aside must not open them), and the control link stays up throughout."""
+
+    async def main() -> None:
+        data_ups: dict[str, list[str]] = {"a": [], "b": []}
+        a = await Peer("a", on_data_up=data_ups["a"].append).listen()
+        b = await Peer("b", on_data_up=data_ups["b"].append).listen()
+        a.dial(b)
+        await until(lambda: a.ups == ["b"] and b.ups == ["a"])
+
+        async def ticks(seconds: float, done=lambda: False) -> None:
+            end = asyncio.get_running_loop().time() + seconds
+            while asyncio.get_running_loop().time() < end and not done():
+                a.transport.maintain()
+                b.transport.maintain()
+                await asyncio.sleep(0.05)
+
+        await ticks(0.5)
+        assert data_ups == {"a": ["b"], "b": ["a"]}
+        a.transport.refuse_data("this node's store is failing")
+        a.transport.refuse_data("partial split: cut off from c", cause="partial split")
+        await until(lambda: "b" not in a.transport.data_links)
+        a.transport.refuse_data(None)
+        assert a.transport.data_refused == "partial split: cut off from c"
+        await ticks(1.0)
+        assert "b" not in a.transport.data_links and data_ups["a"] == ["b"]
+        assert "b" in a.transport.links and a.downs == []
+        a.transport.refuse_data(None, cause="partial split")
+        assert a.transport.data_refused is None
+        await ticks(5.0, lambda: data_ups["a"] == ["b", "b"])
+        assert data_ups["a"] == ["b", "b"]
+        for p in (a, b):
+            await p.transport.close()
+
+    run(main())

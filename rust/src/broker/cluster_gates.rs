@@ -1,10 +1,11 @@
 //! Output to a client held until the session state it makes the client act on is copied
 //! (docs/cluster-sessions.md): a QoS 2 PUBLISH or a PUBREL to a client of a persistent
 //! session leaves only once every other owner that is up holds the flight record that
-//! says it was sent (acknowledgements wait for `ack_replicas - 1` of them). Otherwise a home SIGKILLed right after could leave copies that say
-//! "queued" for a message the client took (sent again under a new packet id: twice), or
-//! "awaiting PUBREC" for one it completed, and the new home could give another message a
-//! packet id the client still holds as awaiting PUBREL (taken as a repeat: lost).
+//! says it was sent (acknowledgements wait for `ack_replicas - 1` of them). Otherwise a
+//! home SIGKILLed right after could leave copies that say "queued" for a message the
+//! client took (sent again under a new packet id: twice), or "awaiting PUBREC" for one it
+//! completed, and the new home could give another message a packet id the client still
+//! holds as awaiting PUBREL (taken as a repeat: lost).
 //! Everything written to the connection after the held packet waits with it, so order is
 //! kept. QoS 0 and 1 need no wait (a repeated QoS 1 message is allowed). Owners out of
 //! reach are waited for on the side of a split that does not act (`cluster_authority`).

@@ -152,12 +152,12 @@ def step_aside_for(
     members: Iterable[str],
     peers: Mapping[str, Heard],
     now: int,
-    heard_since: int,
+    counted_from: int,
     suspect_ms: int,
 ) -> tuple[str, str] | None:
     """(the member this node is cut off from, a node that still hears it) if this node is
     the one of the two that steps aside (see above); else None. A member counts as unheard
-    from `heard_since` at the latest (this node's start or the last map change)."""
+    from `counted_from` at the latest (this node's start or the last map change)."""
     ids = sorted(members)
     if own not in ids:
         return None
@@ -167,7 +167,7 @@ def step_aside_for(
         if member == own:
             continue
         view = peers.get(member)
-        heard = max(view.last_seen if view is not None else 0, heard_since)
+        heard = max(view.last_seen if view is not None else 0, counted_from)
         if now - heard <= suspect_ms:
             continue
         through = heard_through(member, peers, own, now, fresh, heard)
