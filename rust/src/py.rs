@@ -324,6 +324,10 @@ impl PyEngine {
         self.inner.cluster_require_map()
     }
 
+    fn cluster_step_aside(&mut self, on: bool) {
+        self.inner.cluster_step_aside(on)
+    }
+
     fn cluster_store_recovered(&mut self, now_ms: u64) {
         self.inner.cluster_store_recovered(now_ms)
     }
@@ -534,6 +538,7 @@ impl PyEngine {
         d.set_item("kept_reordered", s.kept_reordered)?;
         d.set_item("relay_waits", s.relay_waits)?;
         d.set_item("relay_waits_timed_out", s.relay_waits_timed_out)?;
+        d.set_item("moved_home_lost", s.moved_home_lost)?;
         d.set_item("taken_told", s.taken_told)?;
         d.set_item("refused_out_of_reach", s.refused_out_of_reach)?;
         let (r, known) = self.inner.registry_stats();

@@ -471,6 +471,12 @@ class BrokerCollector:
             claims["relay_waits_timed_out"],
         )
         yield counter(
+            "cluster_moved_home_lost",
+            "Sessions that moved here whose old node's link went down while it could still "
+            "relay for them: they asked the reachable nodes for what they kept for that node",
+            claims["moved_home_lost"],
+        )
+        yield counter(
             "cluster_taken_lists_told",
             "Lists of what a session that came here (or whose client came back here) in the "
             "last 30 s took, told to a node whose link came back (its version of the session, "

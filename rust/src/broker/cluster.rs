@@ -467,6 +467,8 @@ pub(super) struct Cluster {
     epoch: u64,
     /// CONNECTs wait for the first partition map (`cluster_require_map`).
     pub(super) require_map: bool,
+    /// This node stepped aside in a partial split (`cluster_step_aside`).
+    pub(super) stepped_aside: bool,
     /// The high half of the ids of messages published here (this node and incarnation),
     /// and the counter of the low half.
     message_origin: u64,
@@ -1369,6 +1371,16 @@ impl Engine {
         self.cluster.require_map = true;
     }
 
+    /// This node stepped aside in a partial split (its data links closed by choice, while
+    /// its peers live on and serve: `fastbroker.cluster.reach`), or no longer. Meanwhile a
+    /// peer down for longer than a claim's wait is not taken for dead: a CONNECT resuming
+    /// a session not here is refused (0x88) rather than given a fresh one, and the client
+    /// goes through its load balancer to a node in reach of the rest (a node alone in a
+    /// clean split serves such clients fresh sessions after that wait, to stay available).
+    pub fn cluster_step_aside(&mut self, on: bool) {
+        self.cluster.stepped_aside = on;
+    }
+
     /// The number of peer `name`, added if new (the same number for the same name).
     pub fn cluster_add_peer(&mut self, name: &str) -> PeerId {
         let c = &mut self.cluster;
@@ -1596,6 +1608,7 @@ impl Engine {
             // Nor a connect claiming a client id.
             self.claims_peer_down(id, now);
             self.kept_asks_peer_down(id, now);
+            self.ask_kept_for_relaying_home(id, now);
         } else {
             // In reach again, this node may be on the side that acts (`cluster_authority`).
             self.release_gates();

@@ -126,6 +126,35 @@ impl Engine {
         }
     }
 
+    /// Peer `peer`'s link went down: the sessions that moved here from it while it was up,
+    /// and for which it may still relay, ask for what the reachable nodes (and this one)
+    /// keep for it, as a session installed from its copy does. In a partial split (the old
+    /// home cut off from a publishing node that still reaches this one, until one of the
+    /// two steps aside) that node wrote the session's older messages to the old home's
+    /// silent link and sends the newer ones here: without the ask they would come only
+    /// once the cut heals, through the old home, after the newer (docs/chaos.md). No
+    /// applied marks: of what was written to the old home's link only QoS 1 is handed on
+    /// (it may have been applied there and sent on already).
+    pub(super) fn ask_kept_for_relaying_home(&mut self, peer: PeerId, now: u64) {
+        let key = self.cluster.peer_key(peer);
+        let moved: Vec<SessionId> = self
+            .by_client
+            .values()
+            .copied()
+            .filter(|&sid| {
+                self.session(sid)
+                    .and_then(|s| s.recent.as_ref())
+                    .is_some_and(|r| {
+                        r.relayed_by == key && now < r.relayed_until && r.kept_from == 0
+                    })
+            })
+            .collect();
+        for sid in moved {
+            self.claims.stats.moved_home_lost += 1;
+            self.ask_kept(sid, key, &[], now);
+        }
+    }
+
     /// Messages kept for a dead home, to its session `sid` here: each id once.
     pub(super) fn deliver_kept(&mut self, sid: SessionId, kept: Vec<KeptDelivery>, now: u64) {
         for (msg, qos, retain, sub_ids) in kept {

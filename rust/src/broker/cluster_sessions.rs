@@ -222,6 +222,9 @@ pub struct ClaimStats {
     /// relayed copy came (`cluster_relay_order`); and holds that ended without it.
     pub relay_waits: u64,
     pub relay_waits_timed_out: u64,
+    /// Sessions that moved here whose old home's link went down while it could still relay
+    /// for them: they asked for what the reachable nodes kept for it (`cluster_kept`).
+    pub moved_home_lost: u64,
     /// Lists of what a session that came here (or whose client came back here) in the last
     /// `RECENT_MS` took, told to a peer whose link came up (`TakenIds`).
     pub taken_told: u64,
@@ -447,10 +450,14 @@ impl Engine {
     /// claim asks every node in reach) is out of reach since less than a claim's wait for a
     /// silent home: cut off by a split, or stalled, it may come back with the session. A
     /// node down for longer is taken for dead (its sessions are served from their copies),
-    /// so a last survivor goes on serving.
+    /// so a last survivor goes on serving; not while this node stepped aside in a partial
+    /// split (its peers are alive: `cluster_step_aside`).
     fn may_hold_out_of_reach(&mut self, ask: Option<&[u64]>, now: u64) -> bool {
         let wait = self.claim_wait_ms(false);
-        let long_gone = self.cluster.down_longer_than(wait, now);
+        let mut long_gone = self.cluster.down_longer_than(wait, now);
+        if self.cluster.stepped_aside {
+            long_gone.clear();
+        }
         let named: Vec<PeerId> = match ask {
             Some(keys) => keys
                 .iter()

@@ -1293,6 +1293,71 @@ fn a_relay_that_never_brings_its_copy_holds_the_new_home_for_two_seconds_at_most
     assert_eq!(payloads(&n.h[1].recv_one(back)), ["m2"]);
 }
 
+/// A partial split (found by the fault suite, `bridge`): node 2, the publisher's node, is
+/// cut off from node 0, "dev"'s home, while node 1 reaches both, and "dev" moves to node 1
+/// before either of the two cut apart steps aside. m1 went to node 0 alone (its link looks
+/// up to node 2, frames are lost); m2 to both, once node 2 had node 1's rows. Node 0 then
+/// steps aside (its data links close); node 2 finds its link to node 0 down `later`.
+fn dev_moves_across_a_partial_split(later: bool) -> (Nodes, crate::broker::ConnId) {
+    let mut n = Nodes::new(3);
+    let dev = n.h[0].connect("dev", Protocol::V311, false);
+    n.h[0].subscribe(dev, "cmd/dev", QoS::AtLeastOnce);
+    let publisher = n.h[2].connect("pub", Protocol::V5, true);
+    n.settle();
+    protocol(&mut n, LATEST);
+    n.cut.push((0, 2));
+    n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    n.settle();
+    let now = n.h[0].now;
+    n.h[0].e.closed(dev, now);
+    let moved = n.h[1].open_connect(super::tests::connect("dev", Protocol::V311, false));
+    n.settle();
+    assert!(connack(&n.h[1].recv_one(moved)).session_present);
+    assert_eq!(n.rows(2, 1), 1);
+    n.h[2].publish(publisher, "cmd/dev", "m2", QoS::AtLeastOnce, false);
+    n.settle();
+    // Held for the old home's relayed copy, which cannot come.
+    assert!(n.h[1].recv_one(moved).is_empty());
+    n.cut.clear();
+    if later {
+        n.cut.push((0, 2));
+        n.cut_link(0, 1);
+        n.settle();
+        assert!(
+            n.h[1].recv_one(moved).is_empty(),
+            "waits for node 2's answer"
+        );
+    }
+    n.cut_link(0, 2);
+    if !later {
+        n.cut_link(0, 1);
+    }
+    n.settle();
+    (n, moved)
+}
+
+#[test]
+fn a_session_that_moved_across_a_partial_split_gets_what_was_written_to_its_old_home_first() {
+    for later in [false, true] {
+        let (mut n, moved) = dev_moves_across_a_partial_split(later);
+        // (Its hold for the relayed copy ends at its next tick.)
+        tick_after(&mut n, 1, 10);
+        let got = n.h[1].recv_one(moved);
+        assert_eq!(payloads(&got), ["m1", "m2"], "later {later}");
+        assert_eq!(n.h[1].e.claim_stats().moved_home_lost, 1);
+        puback_all(&mut n, 1, moved, &got);
+        // The cut heals: node 0 gets m1 and m2 from node 2's queue at last, and relays
+        // them; the session takes neither again.
+        n.heal_link(0, 2);
+        n.heal_link(0, 1);
+        for i in 0..3 {
+            tick_after(&mut n, i, 100);
+        }
+        n.settle();
+        assert!(n.h[1].recv_one(moved).is_empty(), "later {later}");
+    }
+}
+
 #[test]
 fn once_the_old_homes_relay_is_over_the_new_home_waits_for_it_no_more() {
     let (mut n, publisher, back) =
@@ -4651,6 +4716,41 @@ fn a_node_cut_off_from_every_node_that_may_hold_a_session_refuses_its_client_for
     let later = n.h[0].now + 3_000;
     n.h[0].now = later;
     n.h[0].e.tick(later);
+    let c = n.h[0].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv_one(c);
+    assert_eq!(connack(&got).reason_code, 0, "{got:?}");
+    assert!(!connack(&got).session_present);
+}
+
+#[test]
+fn a_node_that_stepped_aside_in_a_partial_split_refuses_a_resume_however_long_it_lasts() {
+    // Found by the fault suite (bridge_long, 816 lost): node 0 stepped aside (its data
+    // links closed by choice, its peers alive and serving), and 7 s on gave a client whose
+    // session lived on node 1 a fresh session; the client did not subscribe again (its
+    // session was to be there), and the merge at the heal lost its messages.
+    let (mut n, mut disks) = copying_nodes(3, &[1, 2], 0);
+    offline_session(&mut n, 1, persistent_v5("dev"), QoS::AtLeastOnce);
+    settle_and_sync(&mut n, &mut disks);
+    n.h[0].e.cluster_step_aside(true);
+    n.cut_link(0, 1);
+    n.cut_link(0, 2);
+    let later = n.h[0].now + 10_000;
+    tick_after(&mut n, 0, 10_000);
+    assert_eq!(n.h[0].now, later);
+    let c = n.h[0].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[0].recv_one(c);
+    assert_eq!(connack(&got).reason_code, 0x88, "{got:?}");
+    assert_eq!(n.h[0].e.session_count(), 0);
+    // A client that wants no session back is not refused.
+    connect_on(
+        &mut n,
+        0,
+        super::tests::connect("other", Protocol::V5, true),
+    );
+    // No longer aside (its links still down: a clean split now), it serves as a node alone.
+    n.h[0].e.cluster_step_aside(false);
     let c = n.h[0].open_connect(persistent_v5("dev"));
     settle_and_sync(&mut n, &mut disks);
     let got = n.h[0].recv_one(c);

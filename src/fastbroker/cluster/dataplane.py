@@ -84,6 +84,12 @@ class DataPlane:
             self.engine.cluster_store_recovered(monotonic_ms())
         self.transport.refuse_data("this node's store is failing" if failing else None)
 
+    def step_aside(self, on: bool) -> None:
+        """This node stepped aside in a partial split, or no longer (cluster/reach.py): its
+        peers live on, so it gives no fresh session to a client whose session may be
+        there, however long its data links stay closed (`cluster_step_aside`)."""
+        self.engine.cluster_step_aside(on)
+
     def hand_over_all(self) -> None:
         """This node left the cluster and its connections are closed: its sessions go to
         their owners (broker::cluster_leave)."""
