@@ -78,6 +78,15 @@ def test_in_a_partial_split_the_later_node_steps_aside_and_no_member_is_removed(
             5,
             "n2's data links closed",
         )
+        # n1, the other of the two, closes its data link to n2 as well: otherwise its
+        # engine would find that silent link down only at the failure timeout.
+        wait_for(lambda: n1.status()["data_links_cut"] == ["n2"], 5, "n1 cuts its link to n2")
+        assert not n1.status()["data_plane"]["n2"]["up"]
+        argv[-1] = f"{n1.ip}:{ADMIN_PORT}"
+        shown = subprocess.run(
+            n1.command(argv), capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+        assert "partial split: cut off from n2; the data link to it is closed" in shown, shown
         # Past twice the failure timeout: nobody removed, no other node steps aside, and
         # n3 (which hears both) keeps its data link to n1.
         time.sleep(2 * FAILURE_TIMEOUT_MS / 1000)
@@ -87,12 +96,19 @@ def test_in_a_partial_split_the_later_node_steps_aside_and_no_member_is_removed(
             assert sorted(m["node_id"] for m in status["members"]) == ["n1", "n2", "n3"]
             assert status["map_version"] == version
             assert (status["partial_split"] is not None) == (node is n2)
+            cut_from = {"n1": ["n2"], "n2": ["n1"]}.get(node.node_id, [])
+            assert status["data_links_cut"] == cut_from
         assert n3.status()["data_plane"]["n1"]["up"]
         assert not n3.status()["data_plane"]["n2"]["up"]
 
         cluster.network.heal()
         wait_for(lambda: n2.status()["partial_split"] is None, 10, "n2 back")
         cluster.wait_converged(20)
+        wait_for(
+            lambda: all(node.status()["data_links_cut"] == [] for node in cluster.nodes),
+            10,
+            "data links open again",
+        )
         assert n1.status()["map_version"] == version
     finally:
         cluster.stop()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from fastbroker.cluster.reach import (
     confirm_after_ms,
+    cut_apart,
     heard_through,
     note_ping,
     parse_reach,
@@ -77,6 +78,22 @@ def test_of_two_members_cut_apart_while_a_third_hears_both_the_one_that_sorts_la
     assert decide("n1", three, cut) is None
     # The bridge hears everyone.
     assert decide("n3", three, cut) is None
+
+
+def test_both_members_cut_apart_know_it_and_the_bridge_is_cut_from_none():
+    """Each of the two cuts its data link to the other (the one that does not step aside
+    too: its engine would find the silent link down only at the failure timeout)."""
+    three = ["n1", "n2", "n3"]
+    cut = {frozenset(("n1", "n2"))}
+
+    def cuts(own: str) -> list[tuple[str, str, bool]]:
+        return cut_apart(own, three, mesh(own, three, cut, 3000), NOW, 0, SUSPECT)
+
+    assert cuts("n1") == [("n2", "n3", False)]
+    assert cuts("n2") == [("n1", "n3", True)]
+    assert cuts("n3") == []
+    clean = {frozenset(("n1", "n2")), frozenset(("n1", "n3"))}
+    assert cut_apart("n2", three, mesh("n2", three, clean, 3000), NOW, 0, SUSPECT) == []
 
 
 def test_no_node_steps_aside_in_a_whole_cluster_or_before_the_suspect_time():

@@ -567,3 +567,47 @@ def test_data_links_stay_refused_while_any_cause_holds_and_the_control_link_stay
             await p.transport.close()
 
     run(main())
+
+
+def test_a_data_link_cut_for_one_peer_closes_at_once_and_is_refused_until_lifted():
+    """A node cut apart from a peer in a partial split closes the data link to it at once
+    (aborted: it is silent anyway) and refuses the peer's redials, whichever end dials,
+    while its control link stays up; lifted, the data link comes back."""
+
+    async def main() -> None:
+        data_ups: dict[str, list[str]] = {"a": [], "b": []}
+        a = await Peer("a", on_data_up=data_ups["a"].append).listen()
+        b = await Peer("b", on_data_up=data_ups["b"].append).listen()
+        a.dial(b)
+        await until(lambda: a.ups == ["b"] and b.ups == ["a"])
+
+        async def ticks(seconds: float, done=lambda: False) -> None:
+            end = asyncio.get_running_loop().time() + seconds
+            while asyncio.get_running_loop().time() < end and not done():
+                a.transport.maintain()
+                b.transport.maintain()
+                await asyncio.sleep(0.05)
+
+        await ticks(0.5)
+        assert data_ups == {"a": ["b"], "b": ["a"]}
+        # b is the end that does not dial ("a" sorts first): a's redials are refused.
+        b.transport.cut_data("a", "partial split: cut off from a")
+        await until(lambda: "a" not in b.transport.data_links)
+        await ticks(1.0)
+        assert "a" not in b.transport.data_links and data_ups["b"] == ["a"]
+        assert "b" in a.transport.links and "a" in b.transport.links
+        assert a.downs == [] and b.downs == []
+        b.transport.cut_data("a", None)
+        await ticks(5.0, lambda: data_ups["b"] == ["a", "a"])
+        assert data_ups["b"] == ["a", "a"]
+        # The dialling end cut: it does not dial.
+        count = len(data_ups["a"])
+        a.transport.cut_data("b", "partial split: cut off from b")
+        await until(lambda: "b" not in a.transport.data_links)
+        await ticks(1.0)
+        assert "b" not in a.transport.data_links and len(data_ups["a"]) == count
+        assert "b" not in a.transport.data_dialling
+        for p in (a, b):
+            await p.transport.close()
+
+    run(main())

@@ -235,6 +235,9 @@ def status(admin: str, as_json: bool, partitions: bool) -> None:
             f"partial split: cut off from {split['cut_off_from']}, which "
             f"{split['heard_through']} still hears; this node's data links are closed"
         )
+    elif data.get("data_links_cut"):
+        cut = ", ".join(data["data_links_cut"])
+        click.echo(f"partial split: cut off from {cut}; the data link to it is closed")
     rows = [
         (
             "NODE",

@@ -36,12 +36,12 @@ from fastbroker.cluster.partitions import PartitionMap, compute_map, moved
 from fastbroker.cluster.raft import ClusterConfig, PersistentState, Raft
 from fastbroker.cluster.reach import (
     confirm_after_ms,
+    cut_apart,
     heard_through,
     note_ping,
     parse_reach,
     parse_relayed,
     ping_fields,
-    step_aside_for,
     suspect_after_ms,
 )
 from fastbroker.cluster.transport import (
@@ -244,6 +244,10 @@ class ClusterNode:
         # Since when the pings have shown a partial split that this node has not yet
         # stepped aside for: it must show in pings of two heartbeats (cluster/reach.py).
         self.partial_seen_at: int | None = None
+        # Members this node is cut apart from in a partial split, whichever of the two steps
+        # aside: since when the pings show it, and since when their data link is cut.
+        self.cut_seen_at: dict[str, int] = {}
+        self.data_cut: dict[str, int] = {}
         self.suspect_ms = suspect_after_ms(settings.failure_timeout_ms, settings.heartbeat_ms)
         self.left = asyncio.Event()
         self.tick_task: asyncio.Task[None] | None = None
@@ -672,12 +676,14 @@ class ClusterNode:
         it was cut off from is heard again, or is heard by no node (cluster/reach.py)."""
         raft = self.raft
         config = raft.committed_config if raft is not None else None
-        found = None
+        cuts: list[tuple[str, str, bool]] = []
         if self.dataplane is not None and config is not None and not self.leaving:
             since = max(self.started_ms, self.map_changed_at)
-            found = step_aside_for(
+            cuts = cut_apart(
                 self.node_id, config.member_ids(), self.peers, now, since, self.suspect_ms
             )
+        self.cut_data_links({member for member, _, _ in cuts}, now)
+        found = next(((member, through) for member, through, aside in cuts if aside), None)
         current = self.stepped_aside
         if found is None or current is not None:
             self.partial_seen_at = None
@@ -696,6 +702,8 @@ class ClusterNode:
             )
             self.stepped_aside = (member, through, now)
             self.transport.refuse_data(f"partial split: cut off from {member}", cause=PARTIAL)
+            if self.dataplane is not None:
+                self.dataplane.step_aside(True)
         elif found is None and current is not None and now - current[2] >= self.suspect_ms:
             member = current[0]
             view = self.peers.get(member)
@@ -706,6 +714,29 @@ class ClusterNode:
             )
             self.stepped_aside = None
             self.transport.refuse_data(None, cause=PARTIAL)
+            if self.dataplane is not None:
+                self.dataplane.step_aside(False)
+
+    def cut_data_links(self, members: set[str], now: int) -> None:
+        """Closes the data link to each member this node is cut apart from in a partial
+        split, whichever of the two steps aside, once two heartbeats of pings agree; opens
+        it again as a step aside ends. The link is silent anyway, but its engine would find
+        it down only at the failure timeout, and until then holds what a session that moved
+        away from that member asks it for (the engine's `ask_kept_for_relaying_home`): the
+        older messages it wrote to that member's link."""
+        confirm = confirm_after_ms(self.settings.heartbeat_ms)
+        for member in members:
+            seen = self.cut_seen_at.setdefault(member, now)
+            if member not in self.data_cut and now - seen >= confirm:
+                logger.warning("partial split: cut off from %s; data link to it closed", member)
+                self.data_cut[member] = now
+                self.transport.cut_data(member, f"partial split: cut off from {member}")
+        for member in [m for m in self.cut_seen_at if m not in members]:
+            del self.cut_seen_at[member]
+        for member, since in list(self.data_cut.items()):
+            if member not in members and now - since >= self.suspect_ms:
+                del self.data_cut[member]
+                self.transport.cut_data(member, None)
 
     def leader_since(self, now: int) -> int:
         raft = self.raft
@@ -1107,6 +1138,8 @@ class ClusterNode:
                 if self.stepped_aside is not None
                 else None
             ),
+            # Members whose data link this node keeps closed in a partial split.
+            "data_links_cut": sorted(self.data_cut),
             "members": members,
             "links": self.transport.stats(),
             "data_plane": self.dataplane.stats() if self.dataplane is not None else {},

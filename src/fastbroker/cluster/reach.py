@@ -147,22 +147,24 @@ def heard_through(
     return sorted(through)
 
 
-def step_aside_for(
+def cut_apart(
     own: str,
     members: Iterable[str],
     peers: Mapping[str, Heard],
     now: int,
     counted_from: int,
     suspect_ms: int,
-) -> tuple[str, str] | None:
-    """(the member this node is cut off from, a node that still hears it) if this node is
-    the one of the two that steps aside (see above); else None. A member counts as unheard
-    from `counted_from` at the latest (this node's start or the last map change)."""
+) -> list[tuple[str, str, bool]]:
+    """Each member this node is cut apart from while another node still hears it: (the
+    member, a node that hears it, whether this node is the one of the two that steps aside;
+    see above). A member counts as unheard from `counted_from` at the latest (this node's
+    start or the last map change)."""
     ids = sorted(members)
     if own not in ids:
-        return None
+        return []
     fresh = suspect_ms // 2
     own_reach = set(reach_of(peers, ids, own, now, suspect_ms))
+    found = []
     for member in ids:
         if member == own:
             continue
@@ -180,6 +182,24 @@ def step_aside_for(
         ours = len(own_reach - {member})
         relayed = [peers[p].relayed[member] for p in through if member in peers[p].relayed]
         theirs = max((len(r - {own}) for r in relayed), default=ours)
-        if ours < theirs or (ours == theirs and own > member):
-            return member, through[0]
+        steps_aside = ours < theirs or (ours == theirs and own > member)
+        found.append((member, through[0], steps_aside))
+    return found
+
+
+def step_aside_for(
+    own: str,
+    members: Iterable[str],
+    peers: Mapping[str, Heard],
+    now: int,
+    counted_from: int,
+    suspect_ms: int,
+) -> tuple[str, str] | None:
+    """(the member this node is cut off from, a node that still hears it) if this node is
+    the one of the two that steps aside (see above); else None."""
+    for member, through, steps_aside in cut_apart(
+        own, members, peers, now, counted_from, suspect_ms
+    ):
+        if steps_aside:
+            return member, through
     return None

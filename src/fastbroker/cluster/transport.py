@@ -576,6 +576,8 @@ class Transport:
         # Why data links are refused for now, by cause (this node's store fails; it steps
         # aside in a partial split): none, they are not.
         self.data_refusals: dict[str, str] = {}
+        # Peers whose data link is closed and refused for now, and why (`cut_data`).
+        self.data_cut: dict[str, str] = {}
         self.handshaking = 0
         # Traffic per authenticated peer since this node started, and before authentication.
         self.traffic: dict[str, Traffic] = {}
@@ -656,7 +658,7 @@ class Transport:
             # Data links are dialled by the node with the smaller id.
             if peer in self.data_links or peer in self.data_dialling or self.node_id > peer:
                 continue
-            if self.data_refused is not None:
+            if self.data_refused is not None or peer in self.data_cut:
                 continue
             dial_state = self.data_dials.setdefault(peer, [0.0, BACKOFF_MIN_S])
             address = self.data_address(link)
@@ -761,11 +763,27 @@ class Transport:
         for link in list(self.data_links.values()):
             link.close(f"data link closed: {reason}", level=logging.WARNING)
 
+    def cut_data(self, peer: str, reason: str | None) -> None:
+        """Closes the data link to `peer` at once and opens none with it while a `reason`
+        is set: a peer this node no longer hears (a partial split). What the link buffered
+        is resent from the engine's unacknowledged batches."""
+        if reason is None:
+            self.data_cut.pop(peer, None)
+            return
+        self.data_cut[peer] = reason
+        link = self.data_links.get(peer)
+        if link is not None:
+            link.close(f"data link closed: {reason}", level=logging.WARNING, abort=True)
+        dialling = self.data_dialling.pop(peer, None)
+        if dialling is not None:
+            dialling.cancel()
+
     def data_link_up(self, link: Link) -> None:
         peer = link.peer_id
         assert peer is not None
-        if self.data_refused is not None:
-            link.close(f"data link refused: {self.data_refused}", level=logging.DEBUG)
+        refused = self.data_refused or self.data_cut.get(peer)
+        if refused is not None:
+            link.close(f"data link refused: {refused}", level=logging.DEBUG)
             return
         if peer not in self.links or (link.dialled is None) == (self.node_id < peer):
             # Only with a control link up, and only dialled by the node with the smaller id.
