@@ -171,10 +171,10 @@ class Engine:
         """CONNECTs are refused (0x88; 3.1.1: 0x03) until the first partition map is set: a
         node that has not joined its cluster yet would make fresh sessions for clients
         whose sessions live on in the cluster."""
-    def cluster_step_aside(self, on: bool) -> None:
-        """This node stepped aside in a partial split (``on``), or no longer: meanwhile a
-        CONNECT resuming a session that is not here is refused (0x88) however long its
-        peers have been out of reach, rather than given a fresh session."""
+    def cluster_step_aside(self, on: bool, now_ms: int) -> None:
+        """This node stepped aside in a partial split (``on``), or no longer: meanwhile, and
+        for the takeover time after, a CONNECT that resumes a session is refused (0x88), so
+        that no stale or fresh version here wins over the one its peers serve."""
     def cluster_store_recovered(self, now_ms: int) -> None:
         """This node's store works again after failing (a full disk): CONNECTs are refused
         (0x88) until the map changes or the failure timeout passes, as after a pause: its

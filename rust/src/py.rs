@@ -324,8 +324,8 @@ impl PyEngine {
         self.inner.cluster_require_map()
     }
 
-    fn cluster_step_aside(&mut self, on: bool) {
-        self.inner.cluster_step_aside(on)
+    fn cluster_step_aside(&mut self, on: bool, now_ms: u64) {
+        self.inner.cluster_step_aside(on, now_ms)
     }
 
     fn cluster_store_recovered(&mut self, now_ms: u64) {

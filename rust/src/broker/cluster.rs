@@ -467,8 +467,10 @@ pub(super) struct Cluster {
     epoch: u64,
     /// CONNECTs wait for the first partition map (`cluster_require_map`).
     pub(super) require_map: bool,
-    /// This node stepped aside in a partial split (`cluster_step_aside`).
+    /// This node stepped aside in a partial split, or until when (monotonic ms) it counts
+    /// as aside after that (`cluster_step_aside`).
     pub(super) stepped_aside: bool,
+    pub(super) aside_until: u64,
     /// The high half of the ids of messages published here (this node and incarnation),
     /// and the counter of the low half.
     message_origin: u64,
@@ -794,6 +796,11 @@ impl Cluster {
 
     /// Whether message `id` came here routed from the node that published it (it sends in
     /// order): None when no peer's routed messages carry its origin.
+    /// The origin of the messages peer `id` published that came here routed (0: none yet).
+    pub(super) fn routed_origin(&self, id: PeerId) -> u64 {
+        self.peer_ref(id).map_or(0, |p| p.last_routed.0)
+    }
+
     pub(super) fn routed_here(&self, id: u128) -> Option<bool> {
         let origin = (id >> 64) as u64;
         self.peers
@@ -1372,13 +1379,26 @@ impl Engine {
     }
 
     /// This node stepped aside in a partial split (its data links closed by choice, while
-    /// its peers live on and serve: `fastbroker.cluster.reach`), or no longer. Meanwhile a
-    /// peer down for longer than a claim's wait is not taken for dead: a CONNECT resuming
-    /// a session not here is refused (0x88) rather than given a fresh one, and the client
-    /// goes through its load balancer to a node in reach of the rest (a node alone in a
-    /// clean split serves such clients fresh sessions after that wait, to stay available).
-    pub fn cluster_step_aside(&mut self, on: bool) {
-        self.cluster.stepped_aside = on;
+    /// its peers live on and serve: `fastbroker.cluster.reach`), or no longer. Meanwhile,
+    /// and for the takeover time after, a CONNECT that resumes a session is refused (0x88):
+    /// the client goes through its load balancer to a node in reach of the rest. Its peers
+    /// took this node for dead, so a version of the session here may be stale (another node
+    /// took it over from a copy), and one not here would be started afresh after a claim's
+    /// wait (a node alone in a clean split does that, to stay available): the fault suite
+    /// lost 816 and 1,754 acknowledged messages so, the fresh or stale version winning over
+    /// the live one. The time after covers the links coming back, until the versions here
+    /// wait for their peers' word (`cut_off_sessions`). Clean starts are served.
+    pub fn cluster_step_aside(&mut self, on: bool, now: u64) {
+        let c = &mut self.cluster;
+        if c.stepped_aside && !on {
+            c.aside_until = now + self.cfg.cluster_takeover_ms;
+        }
+        c.stepped_aside = on;
+    }
+
+    /// Whether this node counts as stepped aside (`cluster_step_aside`).
+    pub(super) fn aside(&self, now: u64) -> bool {
+        self.cluster.stepped_aside || now < self.cluster.aside_until
     }
 
     /// The number of peer `name`, added if new (the same number for the same name).
@@ -1609,6 +1629,7 @@ impl Engine {
             self.claims_peer_down(id, now);
             self.kept_asks_peer_down(id, now);
             self.ask_kept_for_relaying_home(id, now);
+            self.direct_caught_up_no_more(id);
         } else {
             // In reach again, this node may be on the side that acts (`cluster_authority`).
             self.release_gates();

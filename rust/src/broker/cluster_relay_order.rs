@@ -155,6 +155,23 @@ impl Engine {
         }
     }
 
+    /// Peer `peer`'s link went down: what it publishes from now on is kept for this node
+    /// until the link is back, so a message of it that an old home relays here after that
+    /// is waited for again (`wait_for_direct`), however caught up the session was with it
+    /// before. (Found by the fault suite: at the heal of a second partial split, a relayed
+    /// message went to the client ahead of what was kept for this node.)
+    pub(super) fn direct_caught_up_no_more(&mut self, peer: PeerId) {
+        let origin = self.cluster.routed_origin(peer);
+        if origin == 0 {
+            return;
+        }
+        for s in self.sessions.iter_mut().flatten() {
+            if let Some(recent) = s.recent.as_mut() {
+                recent.direct_caught_up.retain(|&o| o != origin);
+            }
+        }
+    }
+
     /// The old home of session `client_id` may end its relay from `at` on: from then, what
     /// comes straight is not held for it.
     pub(super) fn relay_order_ends(&mut self, client_id: &str, at: u64) {

@@ -285,6 +285,12 @@ impl Engine {
             self.claims.stats.refused_out_of_reach += 1;
             return;
         }
+        if !pending.connect.clean_start && self.aside(now) {
+            let why = "this node stepped aside in a partial split: its peers serve this session";
+            self.refuse(id, 0x88, why);
+            self.claims.stats.refused_out_of_reach += 1;
+            return;
+        }
         let cut_off = self
             .by_client
             .get(&pending.client_id)
@@ -450,14 +456,10 @@ impl Engine {
     /// claim asks every node in reach) is out of reach since less than a claim's wait for a
     /// silent home: cut off by a split, or stalled, it may come back with the session. A
     /// node down for longer is taken for dead (its sessions are served from their copies),
-    /// so a last survivor goes on serving; not while this node stepped aside in a partial
-    /// split (its peers are alive: `cluster_step_aside`).
+    /// so a last survivor goes on serving.
     fn may_hold_out_of_reach(&mut self, ask: Option<&[u64]>, now: u64) -> bool {
         let wait = self.claim_wait_ms(false);
-        let mut long_gone = self.cluster.down_longer_than(wait, now);
-        if self.cluster.stepped_aside {
-            long_gone.clear();
-        }
+        let long_gone = self.cluster.down_longer_than(wait, now);
         let named: Vec<PeerId> = match ask {
             Some(keys) => keys
                 .iter()

@@ -652,10 +652,13 @@ impl Engine {
     /// routes of every node in reach (one that just started would miss the subscribers of
     /// nodes whose links still connect), has installed the dead homes' sessions it takes
     /// over (whose subscriptions may match), and is in touch itself (its peers only look
-    /// dead to a node whose store fails or that was paused: the duty may be theirs).
+    /// dead to a node whose store fails or that was paused: the duty may be theirs), and
+    /// has not stepped aside in a partial split (its peers are alive, and so are their
+    /// connections: `cluster_step_aside`).
     fn may_publish_held(&self, gone: &[PeerId], home: Option<PeerId>, now: u64) -> bool {
         !self.taking_over()
             && now >= self.out_of_touch_until
+            && !self.aside(now)
             && self.cluster.routes_known(gone, home)
     }
 

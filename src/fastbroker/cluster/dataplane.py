@@ -86,9 +86,9 @@ class DataPlane:
 
     def step_aside(self, on: bool) -> None:
         """This node stepped aside in a partial split, or no longer (cluster/reach.py): its
-        peers live on, so it gives no fresh session to a client whose session may be
-        there, however long its data links stay closed (`cluster_step_aside`)."""
-        self.engine.cluster_step_aside(on)
+        peers live on and serve its clients' sessions, so it resumes none meanwhile, nor
+        for the takeover time after (`cluster_step_aside`)."""
+        self.engine.cluster_step_aside(on, monotonic_ms())
 
     def hand_over_all(self) -> None:
         """This node left the cluster and its connections are closed: its sessions go to
