@@ -14,7 +14,6 @@ from fastbroker.cluster.reach import (
     parse_reach,
     parse_relayed,
     ping_fields,
-    step_aside_for,
     suspect_after_ms,
 )
 
@@ -57,6 +56,13 @@ def mesh(own: str, members: list[str], cut: set[frozenset[str]], silent_for: int
         else:
             views[peer] = View(NOW - silent_for)
     return views
+
+
+def step_aside_for(own: str, members: list[str], views: dict, now: int, since: int, suspect: int):
+    """(the member, a node that hears it) if `own` is the one of two cut apart that steps
+    aside, as the node decides from `cut_apart`; else None."""
+    found = cut_apart(own, members, views, now, since, suspect)
+    return next(((member, through) for member, through, aside in found if aside), None)
 
 
 def decide(own: str, members: list[str], cut: set[frozenset[str]], silent_for: int = 3000):

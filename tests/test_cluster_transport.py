@@ -427,7 +427,7 @@ def test_a_data_link_that_goes_silent_is_dialled_again_while_its_control_link_st
     run(main())
 
 
-async def ticks(a: Peer, b: Peer, seconds: float, done) -> None:
+async def ticks(a: Peer, b: Peer, seconds: float, done=lambda: False) -> None:
     """Both transports' ticks every 50 ms, for `seconds` or until `done()`."""
     end = asyncio.get_running_loop().time() + seconds
     while asyncio.get_running_loop().time() < end and not done():
@@ -452,6 +452,19 @@ async def linked_with_data(**a_kw: Any) -> tuple[Peer, Peer]:
     await ticks(a, b, 3.0, lambda: ups == ["b"])
     assert ups == ["b"]
     return a, b
+
+
+async def both_with_data() -> tuple[Peer, Peer, dict[str, list[str]]]:
+    """Peers "a" and "b", their control link up and the data link up at both ends once;
+    the data links each saw come up."""
+    data_ups: dict[str, list[str]] = {"a": [], "b": []}
+    a = await Peer("a", on_data_up=data_ups["a"].append).listen()
+    b = await Peer("b", on_data_up=data_ups["b"].append).listen()
+    a.dial(b)
+    await until(lambda: a.ups == ["b"] and b.ups == ["a"])
+    await ticks(a, b, 3.0, lambda: data_ups == {"a": ["b"], "b": ["a"]})
+    assert data_ups == {"a": ["b"], "b": ["a"]}
+    return a, b, data_ups
 
 
 def test_a_silent_data_link_with_a_full_write_buffer_is_redialled_at_once():
@@ -536,32 +549,18 @@ def test_data_links_stay_refused_while_any_cause_holds_and_the_control_link_stay
     steps aside must not open them), and the control link stays up throughout."""
 
     async def main() -> None:
-        data_ups: dict[str, list[str]] = {"a": [], "b": []}
-        a = await Peer("a", on_data_up=data_ups["a"].append).listen()
-        b = await Peer("b", on_data_up=data_ups["b"].append).listen()
-        a.dial(b)
-        await until(lambda: a.ups == ["b"] and b.ups == ["a"])
-
-        async def ticks(seconds: float, done=lambda: False) -> None:
-            end = asyncio.get_running_loop().time() + seconds
-            while asyncio.get_running_loop().time() < end and not done():
-                a.transport.maintain()
-                b.transport.maintain()
-                await asyncio.sleep(0.05)
-
-        await ticks(0.5)
-        assert data_ups == {"a": ["b"], "b": ["a"]}
+        a, b, data_ups = await both_with_data()
         a.transport.refuse_data("this node's store is failing")
         a.transport.refuse_data("partial split: cut off from c", cause="partial split")
         await until(lambda: "b" not in a.transport.data_links)
         a.transport.refuse_data(None)
         assert a.transport.data_refused == "partial split: cut off from c"
-        await ticks(1.0)
+        await ticks(a, b, 1.0)
         assert "b" not in a.transport.data_links and data_ups["a"] == ["b"]
         assert "b" in a.transport.links and a.downs == []
         a.transport.refuse_data(None, cause="partial split")
         assert a.transport.data_refused is None
-        await ticks(5.0, lambda: data_ups["a"] == ["b", "b"])
+        await ticks(a, b, 5.0, lambda: data_ups["a"] == ["b", "b"])
         assert data_ups["a"] == ["b", "b"]
         for p in (a, b):
             await p.transport.close()
@@ -575,36 +574,22 @@ def test_a_data_link_cut_for_one_peer_closes_at_once_and_is_refused_until_lifted
     while its control link stays up; lifted, the data link comes back."""
 
     async def main() -> None:
-        data_ups: dict[str, list[str]] = {"a": [], "b": []}
-        a = await Peer("a", on_data_up=data_ups["a"].append).listen()
-        b = await Peer("b", on_data_up=data_ups["b"].append).listen()
-        a.dial(b)
-        await until(lambda: a.ups == ["b"] and b.ups == ["a"])
-
-        async def ticks(seconds: float, done=lambda: False) -> None:
-            end = asyncio.get_running_loop().time() + seconds
-            while asyncio.get_running_loop().time() < end and not done():
-                a.transport.maintain()
-                b.transport.maintain()
-                await asyncio.sleep(0.05)
-
-        await ticks(0.5)
-        assert data_ups == {"a": ["b"], "b": ["a"]}
+        a, b, data_ups = await both_with_data()
         # b is the end that does not dial ("a" sorts first): a's redials are refused.
         b.transport.cut_data("a", "partial split: cut off from a")
         await until(lambda: "a" not in b.transport.data_links)
-        await ticks(1.0)
+        await ticks(a, b, 1.0)
         assert "a" not in b.transport.data_links and data_ups["b"] == ["a"]
         assert "b" in a.transport.links and "a" in b.transport.links
         assert a.downs == [] and b.downs == []
         b.transport.cut_data("a", None)
-        await ticks(5.0, lambda: data_ups["b"] == ["a", "a"])
+        await ticks(a, b, 5.0, lambda: data_ups["b"] == ["a", "a"])
         assert data_ups["b"] == ["a", "a"]
         # The dialling end cut: it does not dial.
         count = len(data_ups["a"])
         a.transport.cut_data("b", "partial split: cut off from b")
         await until(lambda: "b" not in a.transport.data_links)
-        await ticks(1.0)
+        await ticks(a, b, 1.0)
         assert "b" not in a.transport.data_links and len(data_ups["a"]) == count
         assert "b" not in a.transport.data_dialling
         for p in (a, b):

@@ -185,21 +185,3 @@ def cut_apart(
         steps_aside = ours < theirs or (ours == theirs and own > member)
         found.append((member, through[0], steps_aside))
     return found
-
-
-def step_aside_for(
-    own: str,
-    members: Iterable[str],
-    peers: Mapping[str, Heard],
-    now: int,
-    counted_from: int,
-    suspect_ms: int,
-) -> tuple[str, str] | None:
-    """(the member this node is cut off from, a node that still hears it) if this node is
-    the one of the two that steps aside (see above); else None."""
-    for member, through, steps_aside in cut_apart(
-        own, members, peers, now, counted_from, suspect_ms
-    ):
-        if steps_aside:
-            return member, through
-    return None
