@@ -794,13 +794,13 @@ impl Cluster {
         self.peer_ref(id).is_some_and(|p| p.up)
     }
 
-    /// Whether message `id` came here routed from the node that published it (it sends in
-    /// order): None when no peer's routed messages carry its origin.
     /// The origin of the messages peer `id` published that came here routed (0: none yet).
     pub(super) fn routed_origin(&self, id: PeerId) -> u64 {
         self.peer_ref(id).map_or(0, |p| p.last_routed.0)
     }
 
+    /// Whether message `id` came here routed from the node that published it (it sends in
+    /// order): None when no peer's routed messages carry its origin.
     pub(super) fn routed_here(&self, id: u128) -> Option<bool> {
         let origin = (id >> 64) as u64;
         self.peers
