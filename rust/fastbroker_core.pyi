@@ -175,6 +175,10 @@ class Engine:
         """This node stepped aside in a partial split (``on``), or no longer: meanwhile, and
         for the takeover time after, a CONNECT that resumes a session is refused (0x88), so
         that no stale or fresh version here wins over the one its peers serve."""
+    def cluster_peer_alive(self, peer: int, alive: bool) -> None:
+        """The control plane hears ``peer`` (directly, or through a member that hears it),
+        or no longer: while its data link is down it is not taken for dead, so no session it
+        may hold is started afresh here and no will of its connections is published here."""
     def cluster_store_recovered(self, now_ms: int) -> None:
         """This node's store works again after failing (a full disk): CONNECTs are refused
         (0x88) until the map changes or the failure timeout passes, as after a pause: its

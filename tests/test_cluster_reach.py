@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fastbroker.cluster.reach import (
+    alive_members,
     confirm_after_ms,
     cut_apart,
     heard_through,
@@ -100,6 +101,27 @@ def test_both_members_cut_apart_know_it_and_the_bridge_is_cut_from_none():
     assert cuts("n3") == []
     clean = {frozenset(("n1", "n2")), frozenset(("n1", "n3"))}
     assert cut_apart("n2", three, mesh("n2", three, clean, 3000), NOW, 0, SUSPECT) == []
+
+
+def test_a_member_is_alive_while_this_node_or_one_it_hears_hears_it():
+    """What the engine is told (`cluster_peer_alive`): in a partial split each of the two
+    cut apart is alive for the other through the bridge; in a clean split the node alone
+    is alive for nobody, nor is anyone for it."""
+    three = ["n1", "n2", "n3"]
+
+    def alive(own: str, cut: set[frozenset[str]]) -> set[str]:
+        return alive_members(own, three, mesh(own, three, cut, 3000), NOW, SUSPECT)
+
+    partial = {frozenset(("n1", "n2"))}
+    assert alive("n1", partial) == {"n2", "n3"}
+    assert alive("n2", partial) == {"n1", "n3"}
+    assert alive("n3", partial) == {"n1", "n2"}
+    clean = {frozenset(("n1", "n2")), frozenset(("n1", "n3"))}
+    assert alive("n2", clean) == {"n3"}
+    assert alive("n1", clean) == set()
+    # Word through the bridge older than half the suspect time does not count.
+    views = {"n1": View(NOW - 3000), "n3": View(NOW - 300, {"n1": (SUSPECT // 2 - 200, LONG)})}
+    assert alive_members("n2", three, views, NOW, SUSPECT) == {"n3"}
 
 
 def test_no_node_steps_aside_in_a_whole_cluster_or_before_the_suspect_time():

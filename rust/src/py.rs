@@ -328,6 +328,10 @@ impl PyEngine {
         self.inner.cluster_step_aside(on, now_ms)
     }
 
+    fn cluster_peer_alive(&mut self, peer: u16, alive: bool) {
+        self.inner.cluster_peer_alive(peer, alive)
+    }
+
     fn cluster_store_recovered(&mut self, now_ms: u64) {
         self.inner.cluster_store_recovered(now_ms)
     }

@@ -158,6 +158,9 @@ struct Peer {
     seen_up: bool,
     /// Since when its link is down (ms; meaningless while up).
     down_since: u64,
+    /// The control plane hears it, or a member that hears it (`cluster_peer_alive`): its
+    /// data link down is not its death (a partial split, its store failing).
+    alive: bool,
     /// Since when nothing had come from it when its link last went down (ms; 0: not down
     /// in this run): a split is found by a silence (`cluster_link_lost`).
     silent_since: u64,
@@ -225,6 +228,7 @@ impl Peer {
             protocol: 2,
             seen_up: false,
             down_since: 0,
+            alive: false,
             silent_since: 0,
             heard: false,
             rows: HashSet::new(),
@@ -869,6 +873,15 @@ impl Cluster {
             .collect()
     }
 
+    /// Peers down for `ms` or more (`down_longer_than`) that the control plane does not
+    /// know to be alive (`cluster_peer_alive`): those whose connections have ended, and
+    /// that hold no session a fresh one here could replace.
+    pub(super) fn dead_longer_than(&mut self, ms: u64, now: u64) -> Vec<PeerId> {
+        let mut down = self.down_longer_than(ms, now);
+        down.retain(|&p| !self.peer_ref(p).is_some_and(|p| p.alive));
+        down
+    }
+
     /// A copy operation for peer `id` (a protocol 4 peer, or one not heard from yet in this
     /// run): `(link up, the batch it goes in)`, or None if it cannot take copies.
     pub(super) fn queue_copy(
@@ -1394,6 +1407,20 @@ impl Engine {
             c.aside_until = now + self.cfg.cluster_takeover_ms;
         }
         c.stepped_aside = on;
+    }
+
+    /// The control plane hears peer `peer` (directly, or through a member that hears it:
+    /// `fastbroker.cluster.reach`), or no longer. While its data link is down that is not
+    /// its death: in a partial split the node that stepped aside serves its own clients,
+    /// and holds a session that moved to it as it stepped aside, of which no copy may be
+    /// in reach. So a claim here refuses to start such a session afresh (the fault suite
+    /// lost 1,887 acknowledged messages when one was, after a claim's wait), and the wills
+    /// of its connections are not published here as a dead node's (they live on). Its
+    /// sessions with copies in reach are still taken over from those by the side that acts.
+    pub fn cluster_peer_alive(&mut self, peer: PeerId, alive: bool) {
+        if let Some(p) = self.cluster.peer_mut(peer) {
+            p.alive = alive;
+        }
     }
 
     /// Whether this node counts as stepped aside (`cluster_step_aside`).

@@ -456,10 +456,11 @@ impl Engine {
     /// claim asks every node in reach) is out of reach since less than a claim's wait for a
     /// silent home: cut off by a split, or stalled, it may come back with the session. A
     /// node down for longer is taken for dead (its sessions are served from their copies),
-    /// so a last survivor goes on serving.
+    /// so a last survivor goes on serving; unless the control plane hears it still
+    /// (`cluster_peer_alive`).
     fn may_hold_out_of_reach(&mut self, ask: Option<&[u64]>, now: u64) -> bool {
         let wait = self.claim_wait_ms(false);
-        let long_gone = self.cluster.down_longer_than(wait, now);
+        let long_gone = self.cluster.dead_longer_than(wait, now);
         let named: Vec<PeerId> = match ask {
             Some(keys) => keys
                 .iter()

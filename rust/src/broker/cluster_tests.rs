@@ -1645,6 +1645,36 @@ fn a_claim_does_not_wait_for_a_peer_that_goes_down() {
 }
 
 #[test]
+fn a_claim_starts_no_session_afresh_while_the_control_plane_hears_its_holder() {
+    // Found by the fault suite (partial splits): a session moved to a node as it stepped
+    // aside, before any copy of it was made. Its peers, their data links to it closed
+    // while the bridge still heard it, started the client afresh after a claim's wait:
+    // 1,887 acknowledged messages lost (its subscriptions stayed with the old version).
+    let mut n = Nodes::new(3);
+    protocol3(&mut n);
+    let dev = connect_on(&mut n, 2, persistent_v5("dev"));
+    n.h[2].subscribe(dev, "cmd/dev", QoS::AtLeastOnce);
+    n.settle();
+    let now = n.h[2].now;
+    n.h[2].e.closed(dev, now);
+    let node2 = n.peer[1][2];
+    n.h[1].e.cluster_peer_alive(node2, true);
+    n.cut_link(1, 2);
+    tick_after(&mut n, 1, 6_000);
+    let c = n.h[1].open_connect(persistent_v5("dev"));
+    n.settle();
+    assert_eq!(connack(&n.h[1].recv_one(c)).reason_code, 0x88);
+    // No node hears it any more (a clean split, a crash): after a claim's wait, as before,
+    // a last survivor serves.
+    n.h[1].e.cluster_peer_alive(node2, false);
+    let c = n.h[1].open_connect(persistent_v5("dev"));
+    n.settle();
+    let got = n.h[1].recv_one(c);
+    let ack = connack(&got);
+    assert_eq!((ack.reason_code, ack.session_present), (0, false));
+}
+
+#[test]
 fn a_claimant_whose_asked_holder_goes_down_unanswered_refuses_rather_than_start_afresh() {
     // Found by the fault suite (seed 13): a node cut off by a split took a CONNECT of a
     // client whose session lived on the other side. Its links were up (silent) when the
@@ -3993,6 +4023,36 @@ fn a_node_that_stepped_aside_publishes_no_will_of_a_live_connection() {
     assert!(n.h[2].recv_one(watcher).is_empty());
     n.h[0].recv();
     assert!(!n.h[0].closed.contains(&sensor));
+}
+
+#[test]
+fn the_owners_publish_no_will_of_a_node_the_control_plane_still_hears() {
+    // Found by the fault suite (partial splits, wills twice): node 0 stepped aside, its data
+    // links closed, its clients served on; the owners took it for dead after the takeover
+    // time and published the will of a connection alive all along.
+    let (mut n, mut disks, sensor, watcher) = will_holder_on_node0();
+    for i in [1, 2] {
+        let node0 = n.peer[i][0];
+        n.h[i].e.cluster_peer_alive(node0, true);
+    }
+    node0_dies(&mut n);
+    owners_tick(&mut n, &mut disks, 6_000);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    assert_eq!(n.h[1].e.will_stats().published, 0);
+    n.heal_link(0, 1);
+    n.heal_link(0, 2);
+    every_node_ticks(&mut n, &mut disks, 6_000);
+    assert!(n.h[2].recv_one(watcher).is_empty());
+    n.h[0].recv();
+    assert!(!n.h[0].closed.contains(&sensor));
+    // Heard no more: dead after the takeover time, its will published once.
+    for i in [1, 2] {
+        let node0 = n.peer[i][0];
+        n.h[i].e.cluster_peer_alive(node0, false);
+    }
+    node0_dies(&mut n);
+    owners_tick(&mut n, &mut disks, 6_000);
+    assert_eq!(payloads(&n.h[2].recv_one(watcher)), ["offline"]);
 }
 
 #[test]

@@ -630,10 +630,12 @@ impl Engine {
     fn settle_superseded(&mut self, now: u64) {
         let after = self.cfg.cluster_takeover_ms;
         let gone = self.cluster.down_longer_than(after, now);
+        // A home the control plane still hears serves its connections on.
+        let dead_homes = self.cluster.dead_longer_than(after, now);
         let mut keep = Vec::new();
         for (client, w) in std::mem::take(&mut self.wills.superseded) {
             let home = self.cluster.peer_by_key(w.home);
-            let dead = w.ended.is_some() || home.is_none_or(|h| gone.contains(&h));
+            let dead = w.ended.is_some() || home.is_none_or(|h| dead_homes.contains(&h));
             let duty = match self.will_duty(&client, home, &gone) {
                 _ if !dead => Duty::Wait,
                 Duty::Publish if !self.may_publish_held(&gone, home, now) => Duty::Wait,
@@ -672,7 +674,9 @@ impl Engine {
         if only.is_none() && gone.is_empty() && !self.wills.sweep {
             return;
         }
-        let gone_keys: Vec<u64> = gone.iter().map(|&p| self.cluster.peer_key(p)).collect();
+        // A home the control plane still hears serves its connections on.
+        let dead = self.cluster.dead_longer_than(after, now);
+        let gone_keys: Vec<u64> = dead.iter().map(|&p| self.cluster.peer_key(p)).collect();
         // (client id, whether its home may still hold the connection) of each ended one.
         let ended = |(c, w): (&Arc<str>, &HeldWill)| {
             // A home that left the cluster (no longer a peer) is dead too.

@@ -33,6 +33,8 @@ class DataPlane:
         # node id -> the engine's peer number, and back.
         self.peer_ids: dict[str, int] = {}
         self.node_ids: dict[int, str] = {}
+        # What the engine was last told of each peer (`peers_alive`).
+        self.alive: dict[str, bool] = {}
         # A new incarnation per start: peers tell our batches from an earlier run's by it.
         engine.cluster_start(int.from_bytes(os.urandom(8), "big") or 1, transport.node_id)
         # Not a member until the first map (joining, or back after leaving): no sessions.
@@ -89,6 +91,17 @@ class DataPlane:
         peers live on and serve its clients' sessions, so it resumes none meanwhile, nor
         for the takeover time after (`cluster_step_aside`)."""
         self.engine.cluster_step_aside(on, monotonic_ms())
+
+    def peers_alive(self, alive: set[str]) -> None:
+        """The members this node hears, or that a member it hears still hears
+        (cluster/reach.py): while a data link to one is down it is not dead, so the engine
+        starts no session afresh that it may hold and publishes no will of its connections
+        (`cluster_peer_alive`). Told on change only."""
+        for node_id, peer in self.peer_ids.items():
+            now_alive = node_id in alive
+            if self.alive.get(node_id) != now_alive:
+                self.alive[node_id] = now_alive
+                self.engine.cluster_peer_alive(peer, now_alive)
 
     def hand_over_all(self) -> None:
         """This node left the cluster and its connections are closed: its sessions go to

@@ -35,6 +35,7 @@ from fastbroker.cluster.discovery import DiscoveryProvider, LocalNode, parse_dis
 from fastbroker.cluster.partitions import PartitionMap, compute_map, moved
 from fastbroker.cluster.raft import ClusterConfig, PersistentState, Raft
 from fastbroker.cluster.reach import (
+    alive_members,
     confirm_after_ms,
     cut_apart,
     heard_through,
@@ -683,6 +684,11 @@ class ClusterNode:
                 self.node_id, config.member_ids(), self.peers, now, since, self.suspect_ms
             )
         self.cut_data_links({member for member, _, _ in cuts}, now)
+        if self.dataplane is not None and config is not None:
+            alive = alive_members(
+                self.node_id, config.member_ids(), self.peers, now, self.suspect_ms
+            )
+            self.dataplane.peers_alive(alive)
         found = next(((member, through) for member, through, aside in cuts if aside), None)
         current = self.stepped_aside
         if found is None or current is not None:

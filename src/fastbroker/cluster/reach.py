@@ -86,6 +86,24 @@ def reach_of(
     return reach
 
 
+def alive_members(
+    own: str, members: Iterable[str], peers: Mapping[str, Heard], now: int, suspect_ms: int
+) -> set[str]:
+    """The members (other than `own`) this node heard within `suspect_ms`, or that one of
+    those said it heard within half that: alive, whatever their data links to this node (a
+    partial split, a failing store). A member no node in reach hears is not."""
+    ids = set(members)
+    alive = set(reach_of(peers, ids, own, now, suspect_ms))
+    fresh = suspect_ms // 2
+    for peer in list(alive):
+        view = peers[peer]
+        since_ping = now - view.last_seen
+        for member, (age, _) in view.reach.items():
+            if member in ids and member != own and age + since_ping < fresh:
+                alive.add(member)
+    return alive
+
+
 def ping_fields(
     peers: Mapping[str, Heard], members: Iterable[str], own: str, now: int, within_ms: int
 ) -> dict[str, Any]:
