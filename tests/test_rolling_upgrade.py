@@ -1,7 +1,7 @@
 """A rolling upgrade with two real builds side by side (issue 17, docs/upgrade.md): a cluster
-with one node on the previous release (inter-node protocol 14) and two on this one (15)
-routes, keeps retained messages and moves sessions both ways; then that node is upgraded
-with a planned stop, and its session resumes on the new build."""
+with one node on the previous release (inter-node protocol 14) and two on this one
+(`PROTOCOL_MAX`) routes, keeps retained messages and moves sessions both ways; then that
+node is upgraded with a planned stop, and its session resumes on the new build."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from test_cluster_routing import (
     unique,
     wait_rows,
 )
+
+from fastbroker.cluster.transport import PROTOCOL_MAX
 
 # The previous release: the last commit that speaks protocol 14 (before session messages
 # passed on carry the node they came from).
@@ -55,7 +57,7 @@ def test_a_cluster_runs_mixed_during_an_upgrade_and_after_it(tmp_path, previous_
     with Cluster(tmp_path) as cluster:
         cluster.node(3).build = previous_build
         n1, n2, n3 = start_cluster(cluster, 3)
-        assert "up, protocol 14" in n1.log() and "up, protocol 15" in n1.log()
+        assert "up, protocol 14" in n1.log() and f"up, protocol {PROTOCOL_MAX}" in n1.log()
         # n3 runs the previous engine too: it lacks a counter added since (handed_on).
         probe = (
             "import fastbroker_core as c; "
@@ -124,7 +126,8 @@ def test_a_cluster_runs_mixed_during_an_upgrade_and_after_it(tmp_path, previous_
         n3.build = None
         cluster.start(3)
         cluster.wait_converged(["n1", "n2", "n3"], 30)
-        wait_for(lambda: "up, protocol 15" in n3.log(), 15, "n3 linked on protocol 15", n3)
+        linked = f"up, protocol {PROTOCOL_MAX}"
+        wait_for(lambda: linked in n3.log(), 15, f"n3 linked on protocol {PROTOCOL_MAX}", n3)
         wait_for(lambda: serving(n3), 15, "n3 serving MQTT", n3)
         back = Client(endpoint(n3), client_id=dev, version=5, clean=False, props=expiry)
         assert back.connect(timeout=10).session_present

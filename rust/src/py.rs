@@ -543,6 +543,7 @@ impl PyEngine {
         d.set_item("relay_waits", s.relay_waits)?;
         d.set_item("relay_waits_timed_out", s.relay_waits_timed_out)?;
         d.set_item("moved_home_lost", s.moved_home_lost)?;
+        d.set_item("took_at_old_home", s.took_at_old_home)?;
         d.set_item("taken_told", s.taken_told)?;
         d.set_item("refused_out_of_reach", s.refused_out_of_reach)?;
         let (r, known) = self.inner.registry_stats();

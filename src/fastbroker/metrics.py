@@ -477,6 +477,12 @@ class BrokerCollector:
             claims["moved_home_lost"],
         )
         yield counter(
+            "cluster_took_at_old_home",
+            "Messages that came straight to a session that moved here, late, which it had "
+            "taken at the node it came from: not delivered again",
+            claims["took_at_old_home"],
+        )
+        yield counter(
             "cluster_taken_lists_told",
             "Lists of what a session that came here (or whose client came back here) in the "
             "last 30 s took, told to a node whose link came back (its version of the session, "

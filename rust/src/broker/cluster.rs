@@ -31,11 +31,13 @@ use std::sync::Arc;
 use super::cluster_kept::{HANDED_ON_PROTOCOL, KEPT_END_PROTOCOL, TAKEN_IDS_PROTOCOL};
 use super::cluster_replicas::{CopyOp, RELEASED_PROTOCOL};
 use super::cluster_retained::RetainedStamps;
+use super::cluster_took_routed::TOOK_ROUTED_PROTOCOL;
 use super::router::{forwarded_props, Scope};
 use super::state::{Message, SessionId};
 use super::{ConnId, Engine};
 use crate::cluster::batch::{
-    self, Batch, Header, Item, ItemWriter, Mark, SessionMessageKind, Stamp, WireMessage,
+    self, Batch, Header, Item, ItemWriter, Mark, RoutedRange, SessionMessageKind, Stamp,
+    WireMessage,
 };
 use crate::codec::{self, Packet, QoS};
 use crate::store::{envelope, records};
@@ -801,6 +803,29 @@ impl Cluster {
     /// The origin of the messages peer `id` published that came here routed (0: none yet).
     pub(super) fn routed_origin(&self, id: PeerId) -> u64 {
         self.peer_ref(id).map_or(0, |p| p.last_routed.0)
+    }
+
+    /// Each peer's `routed_origin` with the sequence of its newest message come here
+    /// routed (peers none have come from yet left out).
+    pub(super) fn routed_marks(&self) -> Vec<(u64, u64)> {
+        let peers = self.peers.iter().flatten();
+        peers
+            .filter(|p| p.last_routed.0 != 0)
+            .map(|p| p.last_routed)
+            .collect()
+    }
+
+    /// Tells peer `id` which of its peers' routed messages came here while session
+    /// `client_id`, just handed over to it, lived here (`cluster_took_routed`).
+    pub(super) fn queue_took_routed(
+        &mut self,
+        id: PeerId,
+        client_id: &str,
+        ranges: &[RoutedRange],
+    ) {
+        self.queue_reliable(id, TOOK_ROUTED_PROTOCOL, |items| {
+            items.took_routed(client_id, ranges)
+        });
     }
 
     /// Whether message `id` came here routed from the node that published it (it sends in
@@ -2007,6 +2032,7 @@ impl Engine {
                 | Item::WillGone { .. }
                 | Item::WillFired { .. }
                 | Item::Homes { .. }
+                | Item::TookRouted { .. }
                 | Item::Home { .. }
                 | Item::ClaimRoute { .. }
                 | Item::ClaimRouted { .. }
@@ -2205,6 +2231,9 @@ impl Engine {
                     home,
                 } => self.fence_received(id, client_id, stamp, home, now),
                 Item::Installed { client_id } => self.installed_received(id, client_id),
+                Item::TookRouted { client_id, ranges } => {
+                    self.took_routed_received(id, client_id, &ranges);
+                }
                 Item::RelayEnd { client_id } => self.relay_end_received(id, client_id, now),
                 Item::KeptEnd { client_id, origin } => {
                     self.kept_end_received((id, origin), client_id, now)

@@ -222,6 +222,9 @@ pub struct ClaimStats {
     /// relayed copy came (`cluster_relay_order`); and holds that ended without it.
     pub relay_waits: u64,
     pub relay_waits_timed_out: u64,
+    /// Messages that came straight to a session that moved here which it had taken at its
+    /// old home (`cluster_took_routed`): not delivered again.
+    pub took_at_old_home: u64,
     /// Sessions that moved here whose old home's link went down while it could still relay
     /// for them: they asked for what the reachable nodes kept for it (`cluster_kept`).
     pub moved_home_lost: u64,
@@ -705,10 +708,14 @@ impl Engine {
                 let ids: Vec<u128> = r.twin.iter().copied().collect();
                 (r.twin_stamp, r.twin_node, ids, r.twin_handed)
             });
+        let took = self.took_routed(sid);
         self.hand_over(sid, peer, true, now);
         self.claims.stats.sessions_out += 1;
         self.cluster
             .queue_claim_answer(peer, client_id, stamp, &records, None, &[]);
+        if !took.is_empty() {
+            self.cluster.queue_took_routed(peer, client_id, &took);
+        }
         let relay = self.claims.relays.get(&sid);
         if relay.is_some_and(|r| r.lagging.is_empty())
             && self.cluster.peer_protocol(peer) >= RELAY_CAUGHT_UP_PROTOCOL
@@ -986,6 +993,7 @@ impl Engine {
             // A new version here, copied to the owners.
             self.installed(sid, now);
             self.start_recent(sid, now);
+            self.note_arrival(sid);
             self.ask_kept(sid, home, marks, now);
         }
         if !self.cfg.durable {

@@ -337,7 +337,9 @@ impl Engine {
     }
 
     fn new_session(&mut self, client_id: Arc<str>) -> SessionId {
-        self.insert_session(client_id.clone(), Session::new(client_id))
+        let sid = self.insert_session(client_id.clone(), Session::new(client_id));
+        self.note_arrival(sid);
+        sid
     }
 
     pub(super) fn insert_session(&mut self, client_id: Arc<str>, session: Session) -> SessionId {

@@ -22,6 +22,7 @@ mod cluster_sessions;
 mod cluster_streams;
 #[cfg(test)]
 mod cluster_tests;
+mod cluster_took_routed;
 mod cluster_wills;
 mod config;
 mod connect;

@@ -449,6 +449,14 @@ impl Engine {
                 }
                 continue;
             }
+            if let Scope::Forwarded { from, also, .. } = scope {
+                if i < plain_targets && self.took_at_old_home(sid, msg.id, from, also, now) {
+                    // It reached the session where it lived before (cluster_took_routed).
+                    self.claims.stats.took_at_old_home += 1;
+                    count += 1;
+                    continue;
+                }
+            }
             if self.unconfirmed(sid) {
                 // Restored, and maybe taken over elsewhere meanwhile (cluster_replicas).
                 self.hold_for_confirm(sid, &msg, qos, retain, ids, i < plain_targets, scope);

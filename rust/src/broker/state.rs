@@ -273,6 +273,10 @@ pub struct Session {
     /// (0: none): those only this version has, handed over whatever its age if a newer
     /// version made meanwhile elsewhere wins (broker::cluster_replicas::give_up).
     pub taken_from_seq: u64,
+    /// In a cluster, how far each peer's routed messages had come here (origin, sequence)
+    /// when the session began to live here: what came after, until it moves on, it took
+    /// here (broker::cluster_took_routed). None: not known (restored at start-up).
+    pub routed_since: Option<Box<[(u64, u64)]>>,
 }
 
 /// Message ids a session got since it moved, until `until` (monotonic ms).
@@ -329,6 +333,11 @@ pub struct RecentIds {
     /// and the publishing nodes whose first such message came straight since.
     pub direct_waits: Vec<(u128, u64)>,
     pub direct_caught_up: Vec<u64>,
+    /// The live home it came from (its key, 0: none), and per publishing node the range of
+    /// its routed messages that came there while the session lived there: taken there
+    /// (broker::cluster_took_routed).
+    pub took_from: u64,
+    pub took_ranges: Vec<crate::cluster::batch::RoutedRange>,
 }
 
 impl RecentIds {
@@ -362,6 +371,7 @@ impl Session {
             stamp: None,
             recent: None,
             taken_from_seq: 0,
+            routed_since: None,
         }
     }
 

@@ -84,6 +84,8 @@ const ITEM_RELEASED_MESSAGE: u8 = 32;
 /// Protocol 15: a node key, then one of the three session message items above or a
 /// `KeptEnd`.
 const ITEM_HANDED_ON: u8 = 33;
+/// Protocol 16.
+const ITEM_TOOK_ROUTED: u8 = 34;
 /// `Homes` flags.
 const HOMES_FIRST: u8 = 1;
 const HOMES_LAST: u8 = 2;
@@ -165,6 +167,16 @@ pub struct Mark {
     pub node: u64,
     pub epoch: u64,
     pub seq: u64,
+}
+
+/// The messages one node published that came to another routed while a session lived
+/// there (`Item::TookRouted`): the origin of their ids, and the range `(after, upto]` of
+/// their sequence numbers (the low 64 bits of an id).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RoutedRange {
+    pub origin: u64,
+    pub after: u64,
+    pub upto: u64,
 }
 
 /// A subscription of a session, as a `KeptAsk` carries it (plain filters only).
@@ -339,6 +351,16 @@ pub enum Item<'a> {
         home: u64,
         marks: Vec<Mark>,
         ids: Vec<u128>,
+    },
+    /// Sent after the `ClaimAnswer` that hands session `client_id` over (protocol 16): for
+    /// each node (by the origin of its message ids), the range `(after, upto]` of its
+    /// message sequence numbers that came to the sender routed while the session lived
+    /// there. Those it routed to the sender too, the session took there (or they are in
+    /// what the answer hands over): a copy sent straight to the receiver, before that node
+    /// knew the session lives there, is not delivered again.
+    TookRouted {
+        client_id: &'a str,
+        ranges: Vec<RoutedRange>,
     },
     /// Connection `client_id` on the sender, whose session ends with it, has this will
     /// (`records::encode_will`); `stamp`: the connection's version. Sent to the owners of
@@ -623,6 +645,17 @@ impl ItemWriter {
             self.w.u8(ITEM_HANDED_ON).u64(origin);
         }
         self.w.u8(ITEM_KEPT_END).bytes(client_id.as_bytes());
+        self.count += 1;
+    }
+
+    pub fn took_routed(&mut self, client_id: &str, ranges: &[RoutedRange]) {
+        self.w
+            .u8(ITEM_TOOK_ROUTED)
+            .bytes(client_id.as_bytes())
+            .u32(ranges.len() as u32);
+        for r in ranges {
+            self.w.u64(r.origin).u64(r.after).u64(r.upto);
+        }
         self.count += 1;
     }
 
@@ -1133,6 +1166,23 @@ fn read_item<'a>(r: &mut Reader<'a>) -> Result<Item<'a>, BatchError> {
                 ask,
             }
         }
+        ITEM_TOOK_ROUTED => {
+            let client_id = client_id(r.bytes()?)?;
+            let n = r.u32()?;
+            let mut ranges = Vec::new();
+            for _ in 0..n {
+                let range = RoutedRange {
+                    origin: r.u64()?,
+                    after: r.u64()?,
+                    upto: r.u64()?,
+                };
+                if range.after >= range.upto {
+                    return Err(BatchError("empty routed range".into()));
+                }
+                ranges.push(range);
+            }
+            Item::TookRouted { client_id, ranges }
+        }
         ITEM_TAKEN_IDS => {
             let client_id = client_id(r.bytes()?)?;
             let stamp = read_stamp(r)?;
@@ -1458,6 +1508,12 @@ mod tests {
         w.claim_routed("dev-9", 17, stamp, &[5, 6]);
         w.kept_state("dev-4", 99, &[mark], [7u128 << 64 | 3, 1].into_iter());
         w.taken_ids("dev-4", stamp, 98, [9u128 << 64 | 4].into_iter());
+        let range = RoutedRange {
+            origin: 9,
+            after: 3,
+            upto: 40,
+        };
+        w.took_routed("dev-4", &[range]);
         w.safe(8, 9);
         let subs = [
             KeptSub {
@@ -1644,6 +1700,10 @@ mod tests {
                     stamp,
                     node: 98,
                     ids: vec![9u128 << 64 | 4]
+                },
+                Item::TookRouted {
+                    client_id: "dev-4",
+                    ranges: vec![range]
                 },
                 Item::Safe { epoch: 8, seq: 9 },
                 Item::KeptAsk {
@@ -1899,6 +1959,22 @@ mod tests {
             ack_seq: 0,
         };
         body_of(&w.finish(header))
+    }
+
+    #[test]
+    fn took_routed_ranges_that_are_empty_are_refused() {
+        for (after, upto, ok) in [(3, 4, true), (4, 4, false), (5, 4, false)] {
+            let mut w = ItemWriter::default();
+            let range = RoutedRange {
+                origin: 1,
+                after,
+                upto,
+            };
+            w.took_routed("dev", &[range]);
+            let body = body_of(&w.finish(Header::default()));
+            let batch = Batch::decode(&body).unwrap();
+            assert_eq!(batch.items().is_ok(), ok, "({after}, {upto}]");
+        }
     }
 
     #[test]

@@ -92,11 +92,14 @@ MAGIC = "fastbroker-cluster"
 # of a hand-over, KeptEnd) on to where the session went next says which node it came from
 # (a handed-on item), so that a hand-over from a version that gave way is told from copies
 # of what that version took arriving by other paths, and it passes what another version
-# took on as that version's word (TakenIds) rather than as ids the session saw.
+# took on as that version's word (TakenIds) rather than as ids the session saw. Version 16:
+# a node handing a session over says, per publishing node, which of that node's messages
+# came to it while the session lived there (TookRouted), so that a late copy sent straight
+# to the new home is not delivered again.
 # HELLO's optional "cluster_id" (ignored by nodes that do not send it) refuses links between
 # nodes of different clusters, whatever the version.
 PROTOCOL_MIN = 2
-PROTOCOL_MAX = 15
+PROTOCOL_MAX = 16
 
 CONTROL = "control"
 DATA_CHANNEL = "data"
