@@ -177,6 +177,7 @@ impl Engine {
             return Some(Vec::new());
         }
         let searches = std::mem::take(&mut scan.searches);
+        let for_key = self.cluster.peer_key(peer);
         let mut found: Vec<Vec<KeptDelivery>> = searches.iter().map(|_| Vec::new()).collect();
         let (mut problems, mut sent, mut unreadable) = (Vec::new(), 0, 0);
         let name = self
@@ -214,8 +215,8 @@ impl Engine {
                     continue;
                 };
                 let subs = kept_subs(&search.subs);
-                let (client, skip) = (&search.client_id, search.skip);
-                if !kept_in_frame(&frame, client, &subs, skip, most, now, out) {
+                let kept = (&*search.client_id, &subs[..], search.skip, for_key);
+                if !kept_in_frame(&frame, kept, most, now, out) {
                     unreadable += 1;
                 }
             }

@@ -3244,6 +3244,53 @@ fn what_reached_a_session_straight_is_not_handed_to_it_again_as_kept_after_it_mo
 }
 
 #[test]
+fn a_relayed_copy_kept_for_a_dead_home_that_got_the_message_straight_is_not_handed_on() {
+    // Found by the fault suite (partial splits, 13 QoS 2 duplicates in a debug run): a
+    // session moved from node 0 to node 1; the publishing node sent a message to both (node
+    // 0 for another session there), node 1 delivered it, and node 0's relayed copy waited
+    // on its silent link to node 1. Node 1 stepped aside; the session, resumed on node 2
+    // from its copy, got the relayed copy again from what node 0 kept for node 1.
+    let (mut n, mut disks) = copying_nodes(3, &[1, 2], 0);
+    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
+    n.h[0].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    let other = connect_on(
+        &mut n,
+        0,
+        super::tests::connect("other", Protocol::V5, true),
+    );
+    n.h[0].subscribe(other, "cmd/#", QoS::AtMostOnce);
+    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    settle_and_sync(&mut n, &mut disks);
+    let moved = reconnect_elsewhere(&mut n, &mut disks, (0, dev), 1, "dev");
+    assert_resumed(&mut n, 1, moved, &[]);
+    // m0 comes both ways (the relay order is caught up with node 2 then) ...
+    n.h[2].publish(publisher, "cmd/dev", "m0", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[1].recv_one(moved);
+    assert_eq!(payloads(&got), ["m0"]);
+    puback_all(&mut n, 1, moved, &got);
+    // ... m1 too, but node 0's relayed copy waits on its silent link.
+    n.mute.push((0, 1));
+    n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
+    settle_and_sync(&mut n, &mut disks);
+    let got = n.h[1].recv_one(moved);
+    assert_eq!(payloads(&got), ["m1"]);
+    puback_all(&mut n, 1, moved, &got);
+    settle_and_sync(&mut n, &mut disks);
+    n.mute.clear();
+    n.cut_link(1, 0);
+    n.cut_link(1, 2);
+    let back = n.h[2].open_connect(persistent_v5("dev"));
+    settle_and_sync(&mut n, &mut disks);
+    serve_copy_loads(&mut n.h[2], &disks[2]);
+    settle_and_sync(&mut n, &mut disks);
+    assert_resumed(&mut n, 2, back, &[]);
+    tick_after(&mut n, 2, 3_000);
+    settle_and_sync(&mut n, &mut disks);
+    assert!(n.h[2].recv_one(back).is_empty());
+}
+
+#[test]
 fn what_a_session_resumed_from_a_copy_held_is_not_delivered_again_when_its_old_home_returns() {
     // Found by the fault-injection run: a QoS 2 message delivered twice after a move.
     let (mut n, mut disks, publisher) = dev_with_publisher_on_node2(LATEST, 0);
