@@ -2552,20 +2552,27 @@ fn a_qos2_publish_and_its_pubrel_reach_the_client_only_once_an_owner_holds_their
     assert!(matches!(got.as_slice(), [Packet::Publish(_)]), "{got:?}");
 }
 
+/// "dev" (persistent, QoS 1 on `cmd/#`) on node 0; "other" (QoS 0 on `cmd/#`) on node
+/// `other_on`, so that node 2, where "pub" is connected, sends `cmd/#` there too.
+fn dev_other_and_pub(
+    n: &mut Nodes,
+    other_on: usize,
+) -> (crate::broker::ConnId, crate::broker::ConnId) {
+    let dev = connect_on(n, 0, persistent_v5("dev"));
+    n.h[0].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
+    let other = super::tests::connect("other", Protocol::V5, true);
+    let other = connect_on(n, other_on, other);
+    n.h[other_on].subscribe(other, "cmd/#", QoS::AtMostOnce);
+    let publisher = connect_on(n, 2, super::tests::connect("pub", Protocol::V5, true));
+    (dev, publisher)
+}
+
 /// "dev" on node 0 took m1 (acknowledged); node 2 published it, and sent it to node 1 too
 /// (another session there wants it), on a link that is slow meanwhile; dev moves to node 1.
 fn dev_takes_m1_on_node0_then_moves_to_node1(protocol_of: u16) -> (Nodes, crate::broker::ConnId) {
     let mut n = Nodes::new(3);
     protocol(&mut n, protocol_of);
-    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
-    n.h[0].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
-    let other = connect_on(
-        &mut n,
-        1,
-        super::tests::connect("other", Protocol::V5, true),
-    );
-    n.h[1].subscribe(other, "cmd/#", QoS::AtMostOnce);
-    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    let (dev, publisher) = dev_other_and_pub(&mut n, 1);
     n.settle();
     n.slow.push((2, 1));
     n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
@@ -3251,15 +3258,7 @@ fn a_relayed_copy_kept_for_a_dead_home_that_got_the_message_straight_is_not_hand
     // on its silent link to node 1. Node 1 stepped aside; the session, resumed on node 2
     // from its copy, got the relayed copy again from what node 0 kept for node 1.
     let (mut n, mut disks) = copying_nodes(3, &[1, 2], 0);
-    let dev = connect_on(&mut n, 0, persistent_v5("dev"));
-    n.h[0].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
-    let other = connect_on(
-        &mut n,
-        0,
-        super::tests::connect("other", Protocol::V5, true),
-    );
-    n.h[0].subscribe(other, "cmd/#", QoS::AtMostOnce);
-    let publisher = connect_on(&mut n, 2, super::tests::connect("pub", Protocol::V5, true));
+    let (dev, publisher) = dev_other_and_pub(&mut n, 0);
     settle_and_sync(&mut n, &mut disks);
     let moved = reconnect_elsewhere(&mut n, &mut disks, (0, dev), 1, "dev");
     assert_resumed(&mut n, 1, moved, &[]);
