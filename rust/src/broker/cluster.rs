@@ -847,11 +847,6 @@ impl Cluster {
             .is_some_and(|p| p.out.iter().any(|o| o.seq == seq && o.epoch == epoch))
     }
 
-    /// The last of our batches (of this incarnation) peer `id` acknowledged (0: none).
-    pub(super) fn acked_by(&self, id: PeerId) -> u64 {
-        self.peer_ref(id).map_or(0, |p| p.acked_seq)
-    }
-
     /// The last of our reliable batches queued for peer `id` (0: none).
     pub(super) fn last_reliable(&self, id: PeerId) -> u64 {
         self.peer_ref(id).map_or(0, |p| p.next_seq - 1)

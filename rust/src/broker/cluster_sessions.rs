@@ -160,13 +160,7 @@ struct Relay {
     /// The peers (keys) that lagged at the hand-over and have not sent their rows since:
     /// batches they sent here before they heard where the session went may still come.
     lagging: Vec<u64>,
-    /// What was relayed (the batch to `to` it went in, its id), at most `RELAYED_MAX`:
-    /// what `to` acknowledged, the session took there (`relayed_and_taken`).
-    sent: Vec<(u64, u128)>,
 }
-
-/// At most this many relayed ids are remembered per relay.
-const RELAYED_MAX: usize = 1 << 14;
 
 /// An answer to a claim read from an owner's copy.
 struct CopyAnswer {
@@ -1000,9 +994,6 @@ impl Engine {
             self.installed(sid, now);
             self.start_recent(sid, now);
             self.note_arrival(sid);
-            // What this node relayed to it where it lived since, that node took.
-            let taken = self.relayed_and_taken(client_id);
-            self.note_recent(sid, &taken);
             self.ask_kept(sid, home, marks, now);
         }
         if !self.cfg.durable {
@@ -1457,7 +1448,6 @@ impl Engine {
                 until: now + relay,
                 cap: now + RELAY_MAX_MS,
                 lagging,
-                sent: Vec::new(),
             },
         );
     }
@@ -1623,37 +1613,10 @@ impl Engine {
             Scope::Forwarded { also, .. } if plain => also,
             _ => &[],
         };
-        // The batch it goes in (the one being written, or sealed at once with it).
-        let batch = self.cluster.last_reliable(peer) + 1;
         self.relay_to(
             peer, &client_id, msg, qos, retain, &sub_ids, kind, also, now,
         );
-        if let Some(r) = self.claims.relays.get_mut(&sid) {
-            if msg.id != 0 && r.sent.len() < RELAYED_MAX {
-                r.sent.push((batch, msg.id));
-            }
-        }
         true
-    }
-
-    /// The ids of what this node relayed to session `client_id` where it lived since, that
-    /// the node there acknowledged: the session took them there (or holds them). Asked as
-    /// the session comes back here: copies of those kept for that node are not its again.
-    pub(super) fn relayed_and_taken(&self, client_id: &str) -> Vec<u128> {
-        let mut ids = Vec::new();
-        for (&sid, r) in &self.claims.relays {
-            if self.session(sid).is_none_or(|s| &*s.client_id != client_id) {
-                continue;
-            }
-            let acked = self.cluster.acked_by(r.to);
-            ids.extend(
-                r.sent
-                    .iter()
-                    .filter(|&&(b, _)| b <= acked)
-                    .map(|&(_, id)| id),
-            );
-        }
-        ids
     }
 
     /// A message relayed to session `client_id`, which moved here (`Kept`: one another node

@@ -3290,46 +3290,6 @@ fn a_relayed_copy_kept_for_a_dead_home_that_got_the_message_straight_is_not_hand
 }
 
 #[test]
-fn what_a_relay_delivered_is_not_handed_again_as_kept_when_the_session_comes_back() {
-    // Found by the fault suite (partial splits, 19 QoS 2 duplicates): the mirror of the
-    // test above. The session moved from node 2 to node 1; node 0's straight copy waited
-    // on its silent link to node 1 while node 2's relayed copy reached the session there.
-    // Node 1 stepped aside, the client came back to node 2, and node 0 handed its straight
-    // copy over as kept for node 1.
-    let (mut n, mut disks) = copying_nodes(3, &[1, 2], 0);
-    let dev = connect_on(&mut n, 2, persistent_v5("dev"));
-    n.h[2].subscribe(dev, "cmd/#", QoS::AtLeastOnce);
-    let other = super::tests::connect("other", Protocol::V5, true);
-    let other = connect_on(&mut n, 2, other);
-    n.h[2].subscribe(other, "cmd/#", QoS::AtMostOnce);
-    let publisher = connect_on(&mut n, 0, super::tests::connect("pub", Protocol::V5, true));
-    settle_and_sync(&mut n, &mut disks);
-    let moved = reconnect_elsewhere(&mut n, &mut disks, (2, dev), 1, "dev");
-    assert_resumed(&mut n, 1, moved, &[]);
-    n.mute.push((0, 1));
-    n.h[0].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
-    settle_and_sync(&mut n, &mut disks);
-    // (Held a while for the straight copy, which does not come.)
-    tick_after(&mut n, 1, 3_000);
-    settle_and_sync(&mut n, &mut disks);
-    let got = n.h[1].recv_one(moved);
-    assert_eq!(payloads(&got), ["m1"]);
-    puback_all(&mut n, 1, moved, &got);
-    settle_and_sync(&mut n, &mut disks);
-    n.mute.clear();
-    n.cut_link(1, 0);
-    n.cut_link(1, 2);
-    let back = n.h[2].open_connect(persistent_v5("dev"));
-    settle_and_sync(&mut n, &mut disks);
-    serve_copy_loads(&mut n.h[2], &disks[2]);
-    settle_and_sync(&mut n, &mut disks);
-    assert_resumed(&mut n, 2, back, &[]);
-    tick_after(&mut n, 2, 3_000);
-    settle_and_sync(&mut n, &mut disks);
-    assert!(n.h[2].recv_one(back).is_empty());
-}
-
-#[test]
 fn what_a_session_resumed_from_a_copy_held_is_not_delivered_again_when_its_old_home_returns() {
     // Found by the fault-injection run: a QoS 2 message delivered twice after a move.
     let (mut n, mut disks, publisher) = dev_with_publisher_on_node2(LATEST, 0);
