@@ -52,6 +52,9 @@ pub const REMOTE_ORIGIN: SessionId = u32::MAX - 1;
 /// Reliable batches kept for one peer until it acknowledges them; past this the oldest are
 /// dropped (and counted) rather than memory growing without bound.
 const MAX_UNACKED_BYTES: usize = 256 << 20;
+/// Batches a peer applied but has not said copied (`Peer::uncopied`), at most; the oldest
+/// go past it (they only keep order: the peer holds them).
+const MAX_UNCOPIED_BYTES: usize = 16 << 20;
 /// QoS 0 batches waiting for a full link, at most; older ones are dropped past it. Far
 /// above `HOLD_ABOVE`: only many publishers held at once, each with a read's worth of
 /// publishes, could reach it.
@@ -185,6 +188,13 @@ struct Peer {
     reliable: bool,
     out: VecDeque<Outgoing>,
     unacked_bytes: usize,
+    /// Our batches of this incarnation the peer acknowledged (applied) but has not said
+    /// copied (`Safe`), in order (their seq and frame): if it is cut off before its copies
+    /// reach their owners, a session taken over from such a stale copy gets them from here
+    /// as kept, past the copy's mark, before newer ones, not behind them with the peer's
+    /// hand-over at the heal (partial splits). In memory only: the peer holds them.
+    uncopied: VecDeque<(u64, Vec<u8>)>,
+    uncopied_bytes: usize,
     waiting_qos0_bytes: usize,
     next_seq: u64,
     /// The last of our reliable batches the peer has acknowledged, and when an
@@ -243,6 +253,8 @@ impl Peer {
             reliable: false,
             out: VecDeque::new(),
             unacked_bytes: 0,
+            uncopied: VecDeque::new(),
+            uncopied_bytes: 0,
             waiting_qos0_bytes: 0,
             next_seq: 1,
             acked_seq: 0,
@@ -402,8 +414,9 @@ impl Peer {
     }
 
     /// The peer has applied the reliable batches of our incarnation `epoch` up to `seq`;
-    /// the store records of those kept there go to `done`.
-    fn acknowledged(&mut self, epoch: u64, seq: u64, done: &mut Vec<Vec<u8>>) {
+    /// the store records of those kept there go to `done`. Those of this incarnation
+    /// (`own`) it has not said copied stay as `uncopied`.
+    fn acknowledged(&mut self, epoch: u64, seq: u64, own: u64, done: &mut Vec<Vec<u8>>) {
         while self
             .out
             .front()
@@ -413,8 +426,27 @@ impl Peer {
             self.unacked_bytes -= o.len;
             self.rows_held = self.rows_held.max(o.rows);
             done.extend(o.stored);
+            if self.protocol >= 4 && o.epoch == own && o.seq > self.safe_seq {
+                self.uncopied_bytes += o.frame.len();
+                self.uncopied.push_back((o.seq, o.frame));
+            }
+        }
+        while self.uncopied_bytes > MAX_UNCOPIED_BYTES {
+            let Some((_, frame)) = self.uncopied.pop_front() else {
+                break;
+            };
+            self.uncopied_bytes -= frame.len();
         }
         self.stats.unacked_bytes = self.unacked_bytes as u64;
+    }
+
+    /// The peer says its copies of our batches up to `seq` are acknowledged.
+    fn copied(&mut self, seq: u64) {
+        self.safe_seq = seq;
+        while self.uncopied.front().is_some_and(|u| u.0 <= seq) {
+            let (_, frame) = self.uncopied.pop_front().expect("checked");
+            self.uncopied_bytes -= frame.len();
+        }
     }
 
     /// Keeps at most `memory` bytes of stored batches in memory: the newest others are left
@@ -663,6 +695,9 @@ impl Cluster {
             return Vec::new();
         };
         peer.seal(epoch);
+        for (seq, frame) in &peer.uncopied {
+            f(epoch, *seq, true, frame);
+        }
         for o in peer.out.iter().take_while(|o| !o.spilled) {
             f(o.epoch, o.seq, o.sent, &o.frame);
         }
@@ -2053,7 +2088,7 @@ impl Engine {
         if h.ack_seq != 0 {
             let mut done = Vec::new();
             let before = peer.out.len();
-            peer.acknowledged(h.ack_epoch, h.ack_seq, &mut done);
+            peer.acknowledged(h.ack_epoch, h.ack_seq, own_epoch, &mut done);
             // Batches held behind the acknowledged ones (another incarnation's) may go.
             let unblocked = peer.out.len() < before && peer.out.iter().any(|o| !o.sent);
             let newer = h.ack_epoch == own_epoch && h.ack_seq > peer.acked_seq;
@@ -2282,7 +2317,7 @@ impl Engine {
                     let own = c.epoch;
                     let peer = c.peer_mut(id).expect("checked");
                     if epoch == own && seq > peer.safe_seq {
-                        peer.safe_seq = seq;
+                        peer.copied(seq);
                         self.release_acks();
                     }
                 }
@@ -2678,4 +2713,68 @@ pub(super) fn message_from_wire(m: &WireMessage<'_>, now: u64) -> Result<Message
         origin: REMOTE_ORIGIN,
         id: m.id,
     })
+}
+
+#[cfg(test)]
+mod uncopied_tests {
+    use super::{Outgoing, Peer, MAX_UNCOPIED_BYTES};
+
+    fn sent(seq: u64, epoch: u64, len: usize) -> Outgoing {
+        let mut o = Outgoing::unsent(seq, epoch, vec![0; len], 0);
+        o.sent = true;
+        o
+    }
+
+    fn peer_with(batches: impl IntoIterator<Item = Outgoing>) -> Peer {
+        let mut p = Peer::new("n2".into());
+        p.protocol = 16;
+        for o in batches {
+            p.unacked_bytes += o.len;
+            p.out.push_back(o);
+        }
+        p
+    }
+
+    #[test]
+    fn an_applied_batch_stays_until_the_peer_says_it_is_copied() {
+        let mut p = peer_with([sent(1, 7, 10), sent(2, 7, 20), sent(3, 7, 30)]);
+        let mut done = Vec::new();
+        p.acknowledged(7, 2, 7, &mut done);
+        assert_eq!(p.out.len(), 1);
+        assert_eq!(p.uncopied.iter().map(|u| u.0).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(p.uncopied_bytes, 30);
+        p.copied(1);
+        assert_eq!(p.uncopied.iter().map(|u| u.0).collect::<Vec<_>>(), [2]);
+        p.acknowledged(7, 3, 7, &mut done);
+        p.copied(3);
+        assert!(p.uncopied.is_empty());
+        assert_eq!(p.uncopied_bytes, 0);
+    }
+
+    #[test]
+    fn batches_of_an_earlier_incarnation_or_already_copied_are_not_kept() {
+        // Restored from the store (incarnation 6): the peer's `Safe` names this one's only.
+        let mut p = peer_with([sent(4, 6, 10)]);
+        p.acknowledged(6, 4, 7, &mut Vec::new());
+        assert!(p.uncopied.is_empty());
+        // Said copied before the acknowledgement came.
+        let mut p = peer_with([sent(1, 7, 10)]);
+        p.copied(1);
+        p.acknowledged(7, 1, 7, &mut Vec::new());
+        assert!(p.uncopied.is_empty());
+        // A peer of protocol 3 says nothing of copies.
+        let mut p = peer_with([sent(1, 7, 10)]);
+        p.protocol = 3;
+        p.acknowledged(7, 1, 7, &mut Vec::new());
+        assert!(p.uncopied.is_empty());
+    }
+
+    #[test]
+    fn uncopied_batches_past_the_bound_go_oldest_first() {
+        let big = MAX_UNCOPIED_BYTES / 2;
+        let mut p = peer_with([sent(1, 7, big), sent(2, 7, big), sent(3, 7, 1)]);
+        p.acknowledged(7, 3, 7, &mut Vec::new());
+        assert_eq!(p.uncopied.iter().map(|u| u.0).collect::<Vec<_>>(), [2, 3]);
+        assert_eq!(p.uncopied_bytes, big + 1);
+    }
 }

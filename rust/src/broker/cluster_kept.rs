@@ -13,7 +13,10 @@
 //! node's batches (`Applied`, after the copies they made), a claim answer read from a copy
 //! carries those marks, and a written batch past its mark is handed on, one within it not,
 //! and of one no mark covers only the QoS 1 deliveries (owners keep the marks in their store
-//! too). The answers are `SessionMessage`s
+//! too). A batch the home acknowledged stays here until it says the batch's copies are
+//! acknowledged (`Safe`; `Peer::uncopied`): one it applied but could not copy (cut off from
+//! the owner in a partial split) is handed on as well, not left to come with the home's
+//! hand-over at the heal, behind newer messages. The answers are `SessionMessage`s
 //! marked kept. The session takes each id once, and remembers the ids of everything that
 //! reaches it (kept or straight: a publisher's node still sends to the dead home's queue
 //! too, while its rows are there) until its old home has been back for
