@@ -3279,21 +3279,38 @@ fn a_relayed_copy_kept_for_a_dead_home_that_got_the_message_straight_is_not_hand
     n.mute.push((0, 1));
     n.h[2].publish(publisher, "cmd/dev", "m1", QoS::AtLeastOnce, false);
     settle_and_sync(&mut n, &mut disks);
-    let got = n.h[1].recv_one(moved);
-    assert_eq!(payloads(&got), ["m1"]);
-    puback_all(&mut n, 1, moved, &got);
-    settle_and_sync(&mut n, &mut disks);
-    n.mute.clear();
-    n.cut_link(1, 0);
-    n.cut_link(1, 2);
-    let back = n.h[2].open_connect(persistent_v5("dev"));
-    settle_and_sync(&mut n, &mut disks);
-    serve_copy_loads(&mut n.h[2], &disks[2]);
-    settle_and_sync(&mut n, &mut disks);
+    take_and_ack(&mut n, &mut disks, (1, moved), &["m1"]);
+    let back = node1_cut_off_dev_back_on_node2(&mut n, &mut disks);
     assert_resumed(&mut n, 2, back, &[]);
     tick_after(&mut n, 2, 3_000);
     settle_and_sync(&mut n, &mut disks);
     assert!(n.h[2].recv_one(back).is_empty());
+}
+
+/// Connection `conn` on node `i` got `want`, and acknowledges it.
+fn take_and_ack(
+    n: &mut Nodes,
+    disks: &mut [Disk],
+    (i, conn): (usize, crate::broker::ConnId),
+    want: &[&str],
+) {
+    let got = n.h[i].recv_one(conn);
+    assert_eq!(payloads(&got), want);
+    puback_all(n, i, conn, &got);
+    settle_and_sync(n, disks);
+}
+
+/// Node 1 (where "dev" lives now) is cut off from both others, its silences over, and the
+/// client comes back to node 2, which resumes the session from its copy.
+fn node1_cut_off_dev_back_on_node2(n: &mut Nodes, disks: &mut [Disk]) -> crate::broker::ConnId {
+    n.mute.clear();
+    n.cut_link(1, 0);
+    n.cut_link(1, 2);
+    let back = n.h[2].open_connect(persistent_v5("dev"));
+    settle_and_sync(n, disks);
+    serve_copy_loads(&mut n.h[2], &disks[2]);
+    settle_and_sync(n, disks);
+    back
 }
 
 /// "dev" moved from node 2 to node 1 (owners 1 and 2); node 0's straight copy of "m1"
@@ -3320,17 +3337,8 @@ fn relayed_then_back_to_the_relay(copy_lost: bool) -> Vec<String> {
     // (Held a while for the straight copy, which does not come.)
     tick_after(&mut n, 1, 3_000);
     settle_and_sync(&mut n, &mut disks);
-    let got = n.h[1].recv_one(moved);
-    assert_eq!(payloads(&got), ["m1"]);
-    puback_all(&mut n, 1, moved, &got);
-    settle_and_sync(&mut n, &mut disks);
-    n.mute.clear();
-    n.cut_link(1, 0);
-    n.cut_link(1, 2);
-    let back = n.h[2].open_connect(persistent_v5("dev"));
-    settle_and_sync(&mut n, &mut disks);
-    serve_copy_loads(&mut n.h[2], &disks[2]);
-    settle_and_sync(&mut n, &mut disks);
+    take_and_ack(&mut n, &mut disks, (1, moved), &["m1"]);
+    let back = node1_cut_off_dev_back_on_node2(&mut n, &mut disks);
     let got = n.h[2].recv_one(back);
     assert!(connack(&got).session_present, "{got:?}");
     puback_all(&mut n, 2, back, &got);
