@@ -121,13 +121,6 @@ impl Engine {
         self.wait_for_kept(sid, &waits, now);
         let own = super::cluster_retained::node_key(&self.cluster.name);
         let applied = applied_for(marks, own);
-        // What this node relayed to the session at that home in batches the copy's mark
-        // covers, the copy holds: a copy of one the publishing node sent the home straight
-        // (kept for it past its own mark: that batch was never applied there) is not the
-        // session's again, nor is the home's when it is back. Found by the fault suite
-        // (partial splits: 19 QoS 2 duplicates, the client back on the relaying node).
-        let relayed = self.relayed_within(&client, dead, applied);
-        self.note_recent(sid, &relayed);
         let (kept, spilled) = self.kept_matching(dead, &client, &subs, None, applied, now);
         self.deliver_kept(sid, kept, now);
         if !spilled.is_empty() {

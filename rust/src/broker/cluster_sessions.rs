@@ -160,14 +160,7 @@ struct Relay {
     /// The peers (keys) that lagged at the hand-over and have not sent their rows since:
     /// batches they sent here before they heard where the session went may still come.
     lagging: Vec<u64>,
-    /// What was relayed at QoS 1 or 2 (the batch to `to` of this incarnation it went in,
-    /// its id), at most `RELAYED_MAX`: a copy of the session whose mark covers the batch
-    /// holds it (`relayed_within`).
-    sent: Vec<(u64, u128)>,
 }
-
-/// Relayed ids remembered per relay, at most.
-const RELAYED_MAX: usize = 1 << 14;
 
 /// An answer to a claim read from an owner's copy.
 struct CopyAnswer {
@@ -1389,15 +1382,10 @@ impl Engine {
 
     /// Where this node relays `client_id`'s messages to, if anywhere.
     pub(super) fn relay_of(&self, client_id: &str) -> Option<PeerId> {
-        self.relay_sid_of(client_id).map(|(_, to)| to)
-    }
-
-    /// The relay of `client_id` here (the session it relays for, and where to).
-    fn relay_sid_of(&self, client_id: &str) -> Option<(SessionId, PeerId)> {
         self.claims.relays.iter().find_map(|(&sid, r)| {
             self.session(sid)
                 .is_some_and(|s| &*s.client_id == client_id)
-                .then_some((sid, r.to))
+                .then_some(r.to)
         })
     }
 
@@ -1460,7 +1448,6 @@ impl Engine {
                 until: now + relay,
                 cap: now + RELAY_MAX_MS,
                 lagging,
-                sent: Vec::new(),
             },
         );
     }
@@ -1629,45 +1616,7 @@ impl Engine {
         self.relay_to(
             peer, &client_id, msg, qos, retain, &sub_ids, kind, also, now,
         );
-        self.note_relayed(sid, peer, msg.id, qos);
         true
-    }
-
-    /// Message `id` of session `sid` went to `peer` through its relay (in the batch just
-    /// sealed, for QoS 1 and 2).
-    fn note_relayed(&mut self, sid: SessionId, peer: PeerId, id: u128, qos: QoS) {
-        if id == 0 || qos == QoS::AtMostOnce {
-            return;
-        }
-        let batch = self.cluster.last_reliable(peer);
-        if let Some(r) = self.claims.relays.get_mut(&sid) {
-            if r.to == peer && r.sent.len() < RELAYED_MAX {
-                r.sent.push((batch, id));
-            }
-        }
-    }
-
-    /// The ids this node relayed to session `client_id` at the node `home` in batches (of
-    /// this incarnation) up to `applied`: the mark of a copy of the session made there,
-    /// which so holds what they brought (taken or queued).
-    pub(super) fn relayed_within(
-        &self,
-        client_id: &str,
-        home: PeerId,
-        applied: Option<(u64, u64)>,
-    ) -> Vec<u128> {
-        let Some((_, upto)) = applied.filter(|a| a.0 == self.cluster.epoch_of()) else {
-            return Vec::new();
-        };
-        let mut ids = Vec::new();
-        for (&sid, r) in &self.claims.relays {
-            if r.to != home || self.session(sid).is_none_or(|s| &*s.client_id != client_id) {
-                continue;
-            }
-            let within = r.sent.iter().filter(|&&(b, _)| b <= upto);
-            ids.extend(within.map(|&(_, id)| id));
-        }
-        ids
     }
 
     /// A message relayed to session `client_id`, which moved here (`Kept`: one another node
@@ -1706,14 +1655,13 @@ impl Engine {
                 });
                 return;
             }
-            if let Some((relay, peer)) = self.relay_sid_of(client_id) {
+            if let Some(peer) = self.relay_of(client_id) {
                 // The session moved on from here meanwhile: so does this (relays point to
                 // where the session went next, so the chain ends where it is), saying where
                 // it came from (a hand-over of another version is told by its node).
                 let how = (kind, origin);
                 self.replicas.stats.handed_on += 1;
                 self.relay_to(peer, client_id, &msg, qos, retain, &sub_ids, how, also, now);
-                self.note_relayed(relay, peer, msg.id, qos);
                 return;
             }
             self.event(
