@@ -473,3 +473,61 @@ class WebSocketCodec:
     @property
     def buffered(self) -> int:
         """Bytes held from a partial frame header or control frame."""
+
+@final
+class Reactor:
+    """The compiled connection layer (issue 18): plain TCP client sockets on one epoll set,
+    accepted, read into an Engine and written in Rust. The event loop watches ``fileno()``
+    and calls ``poll``; the connection layer's flush calls ``drain`` once per iteration.
+    Connection ids are the engine's; sockets of the other layer share the engine."""
+
+    def __new__(
+        cls,
+        read_budget: int,
+        write_high: int,
+        linger_ms: int,
+        max_sockets: int = 0,
+        connection_rate: float = 0.0,
+    ) -> Reactor:
+        """``read_budget``: bytes read from one socket per poll; ``write_high``: buffered
+        bytes past which the engine is told a socket is not writable (again writable at a
+        quarter); ``linger_ms``: how long a socket the broker ends is read after its last
+        packet; ``max_sockets`` (0: none) and ``connection_rate`` (accepts per second, 0:
+        none) are checked at accept, counting the other layer's sockets too."""
+    def fileno(self) -> int:
+        """The epoll set's descriptor."""
+    def add_listener(self, fd: int) -> int:
+        """Accepts on a bound, listening socket (a duplicate is kept); returns its index."""
+    def close_listener(self, index: int) -> None: ...
+    def poll(self, engine: Engine, now_ms: int, external: int) -> bool:
+        """Accepts, reads into ``engine``, writes buffered output, ends sockets; ``external``:
+        the other layer's open sockets. Returns whether the engine may have output."""
+    def drain(self, engine: Engine, now_ms: int) -> tuple[list[tuple[int, bytes, int]], bool]:
+        """Writes the engine's output for the sockets here; returns the rest (as
+        ``Engine.drain`` gives it) and whether to flush again."""
+    def owns(self, conn: int) -> bool: ...
+    def peer(self, conn: int) -> tuple[tuple[str, int], int, int] | None:
+        """((host, port), listener index, serial) of a socket open here, or ended since
+        ``take_closed``; the serial tells sockets that had the same id apart."""
+    def take_closed(self) -> list[int]:
+        """The ids of the sockets ended since the last call."""
+    def resume(self, conn: int) -> None:
+        """A socket the engine held (``Engine.take_resumed``) is read again."""
+    def set_memory_pressure(self, pressure: bool) -> int:
+        """Publishers are not read under pressure; returns how many are read again."""
+    def memory_held(self) -> int: ...
+    def set_reading(self, reading: bool) -> None:
+        """False: no socket is read (the store fails)."""
+    def tick(self, engine: Engine, now_ms: int) -> bool:
+        """Ends the sockets whose linger passed; returns whether any ended."""
+    def linger_all(self, engine: Engine, now_ms: int) -> None:
+        """The broker stops: every open socket lingers after its output."""
+    def abort_all(self, engine: Engine, now_ms: int) -> None: ...
+    def abort(self, conn: int, engine: Engine, now_ms: int) -> None: ...
+    def admit_external(self, now_ms: int, external: int) -> bool:
+        """Whether a socket of the other layer may be served (the shared cap and rate)."""
+    def listener_counts(self) -> list[int]: ...
+    @property
+    def count(self) -> int: ...
+    @property
+    def refused(self) -> int: ...

@@ -5,6 +5,7 @@
 //! - `broker`: the sans-I/O broker engine (sessions, routing, QoS flows).
 //! - `cluster`: the inter-node wire format (frames of self-describing values).
 //! - `ws`: the WebSocket frame codec (MQTT over WebSocket).
+//! - `reactor`: the compiled connection layer (client sockets on one epoll set).
 //! - `py`: the PyO3 module `fastbroker_core` (feature `python`).
 
 pub mod broker;
@@ -16,8 +17,12 @@ mod py;
 mod py_cluster;
 #[cfg(feature = "python")]
 mod py_codec;
+#[cfg(all(feature = "python", target_os = "linux"))]
+mod py_reactor;
 #[cfg(feature = "python")]
 mod py_ws;
+#[cfg(target_os = "linux")]
+pub mod reactor;
 pub mod store;
 pub mod topics;
 pub mod ws;

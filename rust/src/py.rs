@@ -71,7 +71,7 @@ fn opt_bytes<'py>(py: Python<'py>, b: &Option<Bytes>) -> Option<Bound<'py, PyByt
 /// The broker engine; see `fastbroker_core.pyi` for the contract.
 #[pyclass(name = "Engine", module = "fastbroker_core", unsendable)]
 pub struct PyEngine {
-    inner: Engine,
+    pub(crate) inner: Engine,
 }
 
 fn config_value(key: &str, v: &Bound<'_, PyAny>) -> PyResult<Value> {
@@ -669,5 +669,7 @@ fn fastbroker_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     crate::py_codec::register(m)?;
     crate::py_cluster::register(m)?;
     crate::py_ws::register(m)?;
+    #[cfg(target_os = "linux")]
+    crate::py_reactor::register(m)?;
     Ok(())
 }
