@@ -52,7 +52,16 @@ FASTBROKER_MQTT_OPTIONS = {
 }
 # Options that live outside [mqtt] in fastbroker's config.
 # extra_toml: raw TOML appended to the config (e.g. "[limits]\nmax_connections = 3").
-FASTBROKER_OTHER_OPTIONS = {"sys_interval", "write_buffer_high", "log_level", "extra_toml"}
+FASTBROKER_OTHER_OPTIONS = {
+    "sys_interval",
+    "write_buffer_high",
+    "log_level",
+    "extra_toml",
+    "connection_layer",
+}
+# Set to "uvloop" (or "compiled", the default) to run every single-node test on that
+# connection layer ([listener] connection_layer).
+CONNECTION_LAYER_ENV = "FASTBROKER_TEST_CONNECTION_LAYER"
 
 
 def free_port(host: str = HOST) -> int:
@@ -255,6 +264,9 @@ def fastbroker_config(workdir: Path, port: int, options: dict) -> str:
     ]
     if "write_buffer_high" in options:
         lines.append(f"write_buffer_high = {_toml_value(options['write_buffer_high'])}")
+    layer = options.get("connection_layer") or os.environ.get(CONNECTION_LAYER_ENV)
+    if layer:
+        lines.append(f"connection_layer = {_toml_value(layer)}")
     lines += [
         "",
         "[storage]",

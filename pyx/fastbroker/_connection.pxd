@@ -72,6 +72,12 @@ cdef class Server:
     cdef public object store_state_handler
     # Connection -> the timer that cuts it off at the end of its linger.
     cdef dict lingering
+    # The compiled connection layer (fastbroker_core.Reactor) or None: plain TCP sockets it
+    # serves are fed and written in Rust; its listeners' info dicts by index, and the dicts
+    # conn_info gave its connections to keep (by connection id).
+    cdef readonly object reactor
+    cdef readonly list reactor_infos
+    cdef dict reactor_kept
 
     cpdef schedule_flush(self)
     cpdef flush(self)
@@ -86,6 +92,7 @@ cdef class Server:
     cdef run_hooks(self)
     cdef take_resumed(self)
     cdef bint admit(self)
+    cdef forget_reactor_closed(self)
 
 
 @cython.final

@@ -94,6 +94,28 @@ cdef class Server:
         self.cluster_output = None
         self.store_state_handler = None
         self.lingering = {}
+        self.reactor = None
+        self.reactor_infos = []
+        self.reactor_kept = {}
+
+    def attach_reactor(self, reactor, list infos):
+        """Serves ``reactor``'s sockets (fastbroker_core.Reactor): the loop watches its epoll
+        set and each readiness is one call into it, whatever the number of sockets.
+        ``infos``: the info dict of each of its listeners, by index."""
+        self.reactor = reactor
+        self.reactor_infos = infos
+        self.loop.add_reader(reactor.fileno(), self.on_reactor_ready)
+
+    def detach_reactor(self):
+        if self.reactor is not None:
+            self.loop.remove_reader(self.reactor.fileno())
+
+    def on_reactor_ready(self):
+        # Flushed at once, not at the next loop iteration: the reactor's sockets were all
+        # read in this call, so there is nothing to gather first, and a message read here is
+        # written one iteration sooner (latency at low rates).
+        if self.reactor.poll(self.engine, monotonic_now_ms(), self.socket_count):
+            self.flush()
 
     def new_connection(self):
         """Protocol factory for ``loop.create_server``."""
@@ -107,6 +129,19 @@ cdef class Server:
         the connection gets its own dict from then on, the same object at every call (the
         authentication step tells connections apart by it); without, a passing copy (the
         access log, which only reads it)."""
+        if self.reactor is not None and conn_id >= 0:
+            found = self.reactor.peer(conn_id)
+            if found is not None:
+                peer, listener, serial = found
+                kept = self.reactor_kept.get(conn_id)
+                # The serial tells a kept dict from one of an earlier socket with this id.
+                if kept is not None and kept[0] == serial:
+                    return kept[1]
+                info = dict(self.reactor_infos[listener])
+                info["peer"] = peer
+                if keep:
+                    self.reactor_kept[conn_id] = (serial, info)
+                return info
         if conn_id < 0 or conn_id >= len(self.connections):
             return None
         entry = self.connections[conn_id]
@@ -129,6 +164,8 @@ cdef class Server:
         for connection in self.connections:
             if connection is not None:
                 count += 1
+        if self.reactor is not None:
+            count += self.reactor.count
         return count
 
     cpdef schedule_flush(self):
@@ -148,10 +185,18 @@ cdef class Server:
         if self.paused:
             self.recheck_paused()
         self.run_hooks()
+        if self.reactor is not None:
+            self.forget_reactor_closed()
         if self.store is not None and not self.write_store_ops():
             # Nothing goes out while state it depends on is not stored.
             return
-        for conn_id, data, close in self.engine_drain():
+        again = False
+        if self.reactor is not None:
+            # The reactor writes its sockets' output; the rest is this layer's.
+            output, again = self.reactor.drain(self.engine, monotonic_now_ms())
+        else:
+            output = self.engine_drain()
+        for conn_id, data, close in output:
             if conn_id < 0 or conn_id >= len(connections):
                 continue
             entry = connections[conn_id]
@@ -180,7 +225,7 @@ cdef class Server:
             # After the store batch: an acknowledgement to a peer says its messages are kept.
             self.cluster_output(self.engine.drain_cluster())
         # A long queue is sent a slice per loop iteration: go on in the next one.
-        if self.engine_has_output():
+        if again or self.engine_has_output():
             self.schedule_flush()
 
     def start_ticking(self):
@@ -202,6 +247,8 @@ cdef class Server:
             # Clients are not read while the store fails: their keepalives cannot count.
             return
         now = monotonic_now_ms()
+        if self.reactor is not None and self.reactor.tick(self.engine, now):
+            self.schedule_flush()
         # Stored times are wall-clock; the two clocks drift apart, so re-pair them.
         self.engine.set_wall_clock(<uint64_t>(time.time() * 1000), now)
         self.engine.tick(now)
@@ -222,12 +269,16 @@ cdef class Server:
         for connection in list(self.connections):
             if connection is not None and (<Connection>connection).transport is not None:
                 (<Connection>connection).linger()
+        if self.reactor is not None:
+            self.reactor.linger_all(self.engine, monotonic_now_ms())
 
     def abort_connections(self):
         """Drops every connection without waiting for its write buffer to drain."""
         for connection in list(self.connections):
             if connection is not None and (<Connection>connection).transport is not None:
                 (<Connection>connection).transport.abort()
+        if self.reactor is not None:
+            self.reactor.abort_all(self.engine, monotonic_now_ms())
 
     cdef run_hooks(self):
         """Hands what the engine produced for the control plane to its handlers, and reads
@@ -244,10 +295,21 @@ cdef class Server:
             if self.access_handler is not None:
                 self.access_handler(events)
 
+    cdef forget_reactor_closed(self):
+        # After run_hooks: the access log has read the details of what ended.
+        closed = self.reactor.take_closed()
+        if closed and self.reactor_kept:
+            for conn_id in closed:
+                self.reactor_kept.pop(conn_id, None)
+
     cdef take_resumed(self):
         cdef Connection connection
         cdef list connections = self.connections
+        reactor = self.reactor
         for conn_id in self.engine.take_resumed():
+            if reactor is not None and reactor.owns(conn_id):
+                reactor.resume(conn_id)
+                continue
             if conn_id < 0 or conn_id >= len(connections) or connections[conn_id] is None:
                 continue
             connection = <Connection>connections[conn_id]
@@ -265,6 +327,8 @@ cdef class Server:
         if pressure == self.memory_pressure:
             return 0
         self.memory_pressure = pressure
+        if self.reactor is not None:
+            resumed = self.reactor.set_memory_pressure(pressure)
         if pressure:
             return 0
         held = self.memory_held
@@ -283,6 +347,8 @@ cdef class Server:
 
     @property
     def memory_held_connections(self):
+        if self.reactor is not None:
+            return len(self.memory_held) + self.reactor.memory_held()
         return len(self.memory_held)
 
     def admit_socket(self):
@@ -296,6 +362,9 @@ cdef class Server:
     cdef bint admit(self):
         """Whether a new socket may be served: under the socket cap and the accept rate."""
         cdef uint64_t now
+        if self.reactor is not None:
+            # One cap and one accept rate for both layers.
+            return self.reactor.admit_external(monotonic_now_ms(), self.socket_count)
         if self.max_sockets > 0 and self.socket_count >= self.max_sockets:
             return False
         if self.connection_rate > 0:
@@ -367,6 +436,9 @@ cdef class Server:
             logger.error("%s; %d publishers of the failed batch are disconnected, reading is "
                          "paused until it is stored", error, len(publishers))
             for conn_id in publishers:
+                if self.reactor is not None and self.reactor.owns(conn_id):
+                    self.reactor.abort(conn_id, self.engine, monotonic_now_ms())
+                    continue
                 entry = self.connections[conn_id] if conn_id < len(self.connections) else None
                 if entry is not None and (<Connection>entry).transport is not None:
                     (<Connection>entry).transport.abort()
@@ -442,6 +514,8 @@ cdef class Server:
 
     cdef set_reading_all(self, bint reading):
         cdef Connection connection
+        if self.reactor is not None:
+            self.reactor.set_reading(reading)
         for entry in self.connections:
             if entry is None:
                 continue

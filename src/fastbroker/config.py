@@ -36,8 +36,13 @@ class ListenerConfig:
     port: int = 1883
     # Per-connection transport buffer above which the engine is told to stop writing to it.
     write_buffer_high: int = 262_144
+    # Which layer serves plain TCP sockets (no PROXY protocol): "compiled"
+    # (fastbroker_core.Reactor: Rust owns the sockets, Python runs once per loop iteration)
+    # or "uvloop" (asyncio transports). TLS, WebSocket and PROXY listeners stay on uvloop.
+    connection_layer: str = "compiled"
 
 
+CONNECTION_LAYERS = ("uvloop", "compiled")
 LISTENER_TYPES = ("tcp", "tls", "ws", "wss")
 LISTENER_DEFAULT_PORTS = {"tcp": 1883, "tls": 8883, "ws": 8083, "wss": 8084}
 PROXY_PROTOCOL_MODES = ("off", "v1", "v2", "any")
@@ -375,6 +380,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "host": host_name,
         "port": integer(0, U16_MAX),
         "write_buffer_high": integer(1, U63_MAX),
+        "connection_layer": one_of(*CONNECTION_LAYERS),
     },
     "storage": {
         "data_dir": nonempty_string,

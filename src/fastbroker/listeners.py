@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -588,6 +589,9 @@ class ListenerGroup:
     def __init__(self) -> None:
         self.contexts: list[ListenerContext] = []
         self.servers: list[asyncio.Server] = []
+        # The info dict of each listener socket of the compiled connection layer, by its
+        # index in the reactor (filled as they start serving).
+        self.reactor_infos: list[dict[str, Any]] = []
 
     def attach(self, server: Server) -> None:
         """Connections go to ``server`` from now on (set before serving starts)."""
@@ -650,6 +654,7 @@ async def bind_listeners(
     handshake_timeout: float,
     max_packet_size: int,
     backlog: int,
+    reactor: Any = None,
 ) -> ListenerGroup:
     """Binds every listener without serving yet. Raises OSError (the group's listeners
     bound so far are closed) with ``spec`` set on the error for the message, or ValueError
@@ -667,6 +672,17 @@ async def bind_listeners(
                 max_message_size=max_message_size,
             )
             factory: Callable[[], asyncio.BaseProtocol]
+            if reactor is not None and spec.proxy_protocol == "off" and spec.type == "tcp":
+                # Served by the compiled connection layer: no asyncio server at all.
+                try:
+                    served: Any = ReactorListener.bind(
+                        reactor, context, backlog, group.reactor_infos
+                    )
+                except OSError as error:
+                    raise ListenerBindError(spec, error) from None
+                group.contexts.append(context)
+                group.servers.append(served)
+                continue
             if spec.proxy_protocol != "off" or spec.tls:
                 factory = partial(AcceptedConnection, context)
             elif spec.websocket:
@@ -685,6 +701,80 @@ async def bind_listeners(
         group.close()
         raise
     return group
+
+
+class ReactorListener:
+    """A plain TCP listener served by the compiled connection layer (fastbroker_core.Reactor):
+    the parts of asyncio.Server that ListenerGroup uses. Bound like asyncio binds (every
+    address the host resolves to, SO_REUSEADDR); as with asyncio, the sockets listen only
+    from ``start_serving``, so a client that connects earlier is refused rather than queued
+    while the broker still starts (signal handlers, the store's restore)."""
+
+    def __init__(
+        self,
+        reactor: Any,
+        sockets: list[socket.socket],
+        info: dict[str, Any],
+        infos: list[dict[str, Any]],
+        backlog: int,
+    ) -> None:
+        self.reactor = reactor
+        self.sockets = sockets
+        # The info dict of this listener's connections (Server.conn_info adds the peer), put
+        # in `infos` at the reactor's index of each socket.
+        self.info = info
+        self.infos = infos
+        self.backlog = backlog
+        self.indexes: list[int] = []
+
+    @classmethod
+    def bind(
+        cls,
+        reactor: Any,
+        context: ListenerContext,
+        backlog: int,
+        infos: list[dict[str, Any]],
+    ) -> ReactorListener:
+        spec = context.spec
+        host = spec.host or None
+        addresses = socket.getaddrinfo(
+            host, spec.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        sockets: list[socket.socket] = []
+        try:
+            for family, kind, proto, _, address in dict.fromkeys(addresses):
+                sock = socket.socket(family, kind, proto)
+                sockets.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    # As asyncio does: the IPv4 address gets its own socket.
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+        except OSError:
+            for sock in sockets:
+                sock.close()
+            raise
+        return cls(reactor, sockets, context.plain_info, infos, backlog)
+
+    async def start_serving(self) -> None:
+        for sock in self.sockets[len(self.indexes) :]:
+            sock.listen(self.backlog)
+            index = self.reactor.add_listener(sock.fileno())
+            self.indexes.append(index)
+            self.infos[index:] = [self.info]
+
+    def is_serving(self) -> bool:
+        return bool(self.indexes)
+
+    def close(self) -> None:
+        for index in self.indexes:
+            self.reactor.close_listener(index)
+        self.indexes = []
+        for sock in self.sockets:
+            sock.close()
+
+    async def wait_closed(self) -> None:
+        return None
 
 
 class ListenerBindError(Exception):

@@ -129,6 +129,14 @@ def connections_by_listener(server: Any) -> dict[tuple[str, str], int]:
             info = getattr(connection, "info", None) or {}
             key = (str(info.get("listener") or ""), str(info.get("transport") or ""))
             counts[key] = counts.get(key, 0) + 1
+        reactor = getattr(server, "reactor", None)
+        if reactor is not None:
+            infos = server.reactor_infos
+            for index, count in enumerate(reactor.listener_counts()):
+                if count and index < len(infos):
+                    info = infos[index]
+                    key = (str(info.get("listener") or ""), str(info.get("transport") or ""))
+                    counts[key] = counts.get(key, 0) + count
         return counts
     total = getattr(server, "open_connections", None)
     return {("", ""): total} if isinstance(total, int) else {}
@@ -228,6 +236,8 @@ class BrokerCollector:
             yield connections
             refused = getattr(server, "sockets_refused", None)
             if isinstance(refused, int):
+                reactor = getattr(server, "reactor", None)
+                refused += reactor.refused if reactor is not None else 0
                 yield counter(
                     "sockets_refused",
                     "Sockets closed on accept (connection rate or socket cap)",

@@ -17,7 +17,7 @@ import fastbroker_core
 import uvloop
 
 from fastbroker import __version__
-from fastbroker._connection import Server, monotonic_ms
+from fastbroker._connection import DEFAULT_READ_BUDGET, Server, monotonic_ms
 from fastbroker.access_log import open_access_log
 from fastbroker.admin import AdminServer, Readiness, routes
 from fastbroker.auth import AuthCoordinator, engine_keys
@@ -178,8 +178,25 @@ def open_store(config: Config, engine: Any) -> Store:
     return store
 
 
+def make_reactor(config: Config) -> Any:
+    """The compiled connection layer for plain TCP listeners ([listener] connection_layer =
+    "compiled", the default), or None (uvloop's transports; also where fastbroker_core has
+    no Reactor: it is built on Linux only)."""
+    if config.listener.connection_layer != "compiled" or not hasattr(fastbroker_core, "Reactor"):
+        return None
+    limits = config.limits
+    return fastbroker_core.Reactor(
+        DEFAULT_READ_BUDGET,
+        config.listener.write_buffer_high,
+        limits.close_linger_ms,
+        limits.max_connections + SOCKETS_OVER_MAX_CONNECTIONS if limits.max_connections else 0,
+        float(limits.max_connection_rate),
+    )
+
+
 async def serve(config: Config, engine: Any) -> None:
     loop = asyncio.get_running_loop()
+    reactor = make_reactor(config)
     try:
         # Bound before the store is opened, so a port in use fails fast and touches nothing;
         # connections wait in the backlog until the state is restored.
@@ -191,6 +208,7 @@ async def serve(config: Config, engine: Any) -> None:
             handshake_timeout=config.mqtt.get("connect_timeout_ms", CONNECT_TIMEOUT_MS) / 1000,
             max_packet_size=config.mqtt.get("max_packet_size", MAX_PACKET_SIZE),
             backlog=LISTEN_BACKLOG,
+            reactor=reactor,
         )
     except ListenerBindError as error:
         spec = error.spec
@@ -209,6 +227,8 @@ async def serve(config: Config, engine: Any) -> None:
     try:
         server = Server(engine, loop, config.listener.write_buffer_high, store=store)
         listener.attach(server)
+        if reactor is not None:
+            server.attach_reactor(reactor, listener.reactor_infos)
         await run_server(config, engine, server, listener, store)
     finally:
         if server is not None:
