@@ -20,6 +20,7 @@ starts are stopped, by PID.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import sys
@@ -61,11 +62,12 @@ def start(setup: str, base: Path) -> bench.Broker:
     port = bench.free_port()
     workdir = Path(tempfile.mkdtemp(prefix=f"{setup}-{port}-", dir=base))
     cmd = bench.broker_command(kind, port, workdir)
-    if setup == "compiled":
+    if kind == "fastbroker":
         config = workdir / "fastbroker.toml"
         text = config.read_text()
         listener = f"port = {port}\n"
-        config.write_text(text.replace(listener, listener + 'connection_layer = "compiled"\n', 1))
+        layer = f"connection_layer = {json.dumps(setup)}\n"
+        config.write_text(text.replace(listener, listener + layer, 1))
     broker = bench.launch(kind, port, workdir, cmd)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
