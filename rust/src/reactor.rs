@@ -140,6 +140,32 @@ fn errno() -> i32 {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
 }
 
+/// Sends as much of `data` as the socket takes now: the bytes sent, or None when it failed.
+fn send_some(fd: RawFd, data: &[u8]) -> Option<usize> {
+    let mut sent = 0;
+    while sent < data.len() {
+        let rest = &data[sent..];
+        // SAFETY: writing from a live slice to an open socket.
+        let n = unsafe {
+            libc::send(
+                fd,
+                rest.as_ptr() as *const _,
+                rest.len(),
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            match errno() {
+                libc::EINTR => continue,
+                libc::EAGAIN => break,
+                _ => return None,
+            }
+        }
+        sent += n as usize;
+    }
+    Some(sent)
+}
+
 fn sockaddr_to(addr: &libc::sockaddr_storage) -> SocketAddr {
     match addr.ss_family as i32 {
         libc::AF_INET => {
@@ -515,27 +541,9 @@ impl Reactor {
             socket.out.extend(data);
             return true;
         }
-        let mut sent = 0;
-        while sent < data.len() {
-            let rest = &data[sent..];
-            // SAFETY: writing from a live slice to an open socket.
-            let n = unsafe {
-                libc::send(
-                    socket.fd.as_raw_fd(),
-                    rest.as_ptr() as *const _,
-                    rest.len(),
-                    libc::MSG_NOSIGNAL,
-                )
-            };
-            if n < 0 {
-                match errno() {
-                    libc::EINTR => continue,
-                    libc::EAGAIN => break,
-                    _ => return false,
-                }
-            }
-            sent += n as usize;
-        }
+        let Some(sent) = send_some(socket.fd.as_raw_fd(), data) else {
+            return false;
+        };
         if sent < data.len() {
             socket.out.extend(&data[sent..]);
         }
@@ -547,36 +555,11 @@ impl Reactor {
         let Some(socket) = self.conns.get_mut(id as usize).and_then(Option::as_mut) else {
             return false;
         };
-        let mut sent = 0;
-        let mut failed = false;
-        while sent < socket.out.len() {
-            let rest = &socket.out.as_slice()[sent..];
-            // SAFETY: writing from a live slice to an open socket.
-            let n = unsafe {
-                libc::send(
-                    socket.fd.as_raw_fd(),
-                    rest.as_ptr() as *const _,
-                    rest.len(),
-                    libc::MSG_NOSIGNAL,
-                )
-            };
-            if n < 0 {
-                match errno() {
-                    libc::EINTR => continue,
-                    libc::EAGAIN => break,
-                    _ => {
-                        failed = true;
-                        break;
-                    }
-                }
-            }
-            sent += n as usize;
-        }
-        socket.out.consume(sent);
-        if failed {
+        let Some(sent) = send_some(socket.fd.as_raw_fd(), socket.out.as_slice()) else {
             self.end(id, engine, now, None);
             return true;
-        }
+        };
+        socket.out.consume(sent);
         let mut work = false;
         if socket.paused && socket.out.len() <= self.settings.write_high / 4 {
             socket.paused = false;
