@@ -36,15 +36,16 @@ import run as bench  # noqa: E402  (bench/run.py)
 
 SETUPS = ("uvloop", "compiled", "mosquitto")
 SOURCES = "127.0.0.2-127.0.0.16"
+HOLD_S = 3  # how long the connections are held open and idle
 SCENARIOS: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
     "connect-one": (
         "connections",
-        ["--count", "10000", "--sources", SOURCES, "--hold", "3", "--concurrency", "1"],
+        ["--count", "10000", "--sources", SOURCES, "--hold", str(HOLD_S), "--concurrency", "1"],
         ("connects_per_s", "rss_per_conn_bytes"),
     ),
     "connections": (
         "connections",
-        ["--count", "15000", "--sources", SOURCES, "--hold", "3", "--concurrency", "256"],
+        ["--count", "15000", "--sources", SOURCES, "--hold", str(HOLD_S), "--concurrency", "256"],
         ("connects_per_s", "rss_per_conn_bytes"),
     ),
     "latency": ("latency", ["--rate", "5000", "--payload", "64"], ("p50_us", "p99_us", "cpu_us")),
@@ -101,7 +102,8 @@ def measure(setup: str, scenario: str, loadgen: Path, base: Path, seconds: float
             if cpu is not None:
                 samples.append((now, cpu))
             rss = bench.proc_status_kb(broker.pid)
-            if rss is not None and ready and now >= ready[0] + 1.0:
+            # Held and idle: from 1 s after the last connect until the loadgen closes them.
+            if rss is not None and ready and ready[0] + 1.0 <= now < ready[0] + HOLD_S:
                 rss_hold.append(rss)
 
         run = bench.run_loadgen(loadgen, args, 600, on_sample=on_sample, on_ready=ready.append)

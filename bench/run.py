@@ -1493,7 +1493,10 @@ def measure(
             rss = proc_status_kb(broker.pid)
             if rss is not None:
                 rss_last[:] = [rss]
-                if ready_box and now >= ready_box[0] + settle:
+                # While every connection is held and idle: after `settle`, before the
+                # loadgen starts closing them (closing is not what "per idle connection"
+                # measures, and may briefly grow a broker that logs every close).
+                if ready_box and ready_box[0] + settle <= now < ready_box[0] + settings.hold:
                     rss_hold.append(rss)
 
         def on_ready(now: float) -> None:

@@ -23,6 +23,7 @@ mod py_reactor;
 mod py_ws;
 #[cfg(target_os = "linux")]
 pub mod reactor;
+pub mod slots;
 pub mod store;
 pub mod topics;
 pub mod ws;

@@ -17,6 +17,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use crate::broker::{ConnId, Engine, CLOSE_LINGER, CLOSE_NO, FEED_HOLD, FEED_PUBLISHER};
+use crate::slots::Slots;
 
 /// Tokens of listeners have this bit; a connection's token is its engine id.
 const LISTENER_TOKEN: u64 = 1 << 63;
@@ -112,7 +113,7 @@ pub struct ReactorSettings {
 pub struct Reactor {
     epoll: OwnedFd,
     listeners: Vec<Option<OwnedFd>>,
-    conns: Vec<Option<Socket>>,
+    conns: Slots<Socket>,
     count: usize,
     settings: ReactorSettings,
     buf: Vec<u8>,
@@ -199,7 +200,7 @@ impl Reactor {
             // SAFETY: a fresh descriptor nothing else owns.
             epoll: unsafe { OwnedFd::from_raw_fd(fd) },
             listeners: Vec::new(),
-            conns: Vec::new(),
+            conns: Slots::new(),
             count: 0,
             settings,
             buf: vec![0; READ_CHUNK],
@@ -230,14 +231,14 @@ impl Reactor {
     /// Connections open here per listener index.
     pub fn listener_counts(&self) -> Vec<usize> {
         let mut counts = vec![0; self.listeners.len()];
-        for socket in self.conns.iter().flatten() {
+        for socket in self.conns.values() {
             counts[socket.listener as usize] += 1;
         }
         counts
     }
 
     pub fn owns(&self, id: ConnId) -> bool {
-        matches!(self.conns.get(id as usize), Some(Some(_)))
+        self.conns.get(id as usize).is_some()
     }
 
     /// The peer, listener and serial of `id`: open here, or ended since `take_closed`
@@ -259,7 +260,7 @@ impl Reactor {
     }
 
     fn socket(&self, id: ConnId) -> Option<&Socket> {
-        self.conns.get(id as usize).and_then(Option::as_ref)
+        self.conns.get(id as usize)
     }
 
     fn ctl(&self, op: i32, fd: RawFd, events: u32, token: u64) -> std::io::Result<()> {
@@ -423,22 +424,22 @@ impl Reactor {
                 engine.closed_because(id, now, Some("connection lost"));
                 continue;
             }
-            if self.conns.len() <= id as usize {
-                self.conns.resize_with(id as usize + 1, || None);
-            }
             self.serials += 1;
-            self.conns[id as usize] = Some(Socket {
-                fd: owned,
-                serial: self.serials,
-                peer: sockaddr_to(&addr),
-                listener: index,
-                out: OutBuf::default(),
-                held: false,
-                memory_held: false,
-                paused: false,
-                ending: Ending::No,
-                interest,
-            });
+            self.conns.set(
+                id as usize,
+                Socket {
+                    fd: owned,
+                    serial: self.serials,
+                    peer: sockaddr_to(&addr),
+                    listener: index,
+                    out: OutBuf::default(),
+                    held: false,
+                    memory_held: false,
+                    paused: false,
+                    ending: Ending::No,
+                    interest,
+                },
+            );
             self.count += 1;
             work = true;
         }
@@ -452,7 +453,7 @@ impl Reactor {
         let budget = self.settings.read_budget.max(1);
         let mut read = 0;
         loop {
-            let Some(socket) = self.conns.get(id as usize).and_then(Option::as_ref) else {
+            let Some(socket) = self.conns.get(id as usize) else {
                 return false;
             };
             let fd = socket.fd.as_raw_fd();
@@ -490,7 +491,7 @@ impl Reactor {
             let flags = engine.feed(id, &self.buf[..n], now);
             if flags != 0 {
                 let pressure = self.memory_pressure;
-                if let Some(socket) = self.conns.get_mut(id as usize).and_then(Option::as_mut) {
+                if let Some(socket) = self.conns.get_mut(id as usize) {
                     if flags & FEED_HOLD != 0 {
                         socket.held = true;
                     }
@@ -512,7 +513,7 @@ impl Reactor {
     }
 
     fn update_interest(&mut self, id: ConnId) {
-        let Some(socket) = self.conns.get(id as usize).and_then(Option::as_ref) else {
+        let Some(socket) = self.conns.get(id as usize) else {
             return;
         };
         let mut want = 0;
@@ -525,7 +526,7 @@ impl Reactor {
         if want != socket.interest {
             let fd = socket.fd.as_raw_fd();
             if self.ctl(libc::EPOLL_CTL_MOD, fd, want, id as u64).is_ok() {
-                if let Some(socket) = self.conns[id as usize].as_mut() {
+                if let Some(socket) = self.conns.get_mut(id as usize) {
                     socket.interest = want;
                 }
             }
@@ -534,7 +535,7 @@ impl Reactor {
 
     /// Writes `data` after what is buffered; returns false when the socket failed.
     fn write(&mut self, id: ConnId, data: &[u8]) -> bool {
-        let Some(socket) = self.conns.get_mut(id as usize).and_then(Option::as_mut) else {
+        let Some(socket) = self.conns.get_mut(id as usize) else {
             return true;
         };
         if !socket.out.is_empty() {
@@ -552,7 +553,7 @@ impl Reactor {
 
     /// Sends what is buffered for `id`; ends it when its end waited for that.
     fn write_ready(&mut self, id: ConnId, engine: &mut Engine, now: u64) -> bool {
-        let Some(socket) = self.conns.get_mut(id as usize).and_then(Option::as_mut) else {
+        let Some(socket) = self.conns.get_mut(id as usize) else {
             return false;
         };
         let Some(sent) = send_some(socket.fd.as_raw_fd(), socket.out.as_slice()) else {
@@ -577,7 +578,7 @@ impl Reactor {
 
     /// The buffer is empty: an end that waited for it goes on.
     fn finish_write(&mut self, id: ConnId, engine: &mut Engine, now: u64) -> bool {
-        let Some(socket) = self.conns.get_mut(id as usize).and_then(Option::as_mut) else {
+        let Some(socket) = self.conns.get_mut(id as usize) else {
             return false;
         };
         match socket.ending {
@@ -604,7 +605,7 @@ impl Reactor {
 
     /// The socket is closed (dropped) and the engine told.
     fn end(&mut self, id: ConnId, engine: &mut Engine, now: u64, why: Option<&str>) {
-        if let Some(socket) = self.conns.get_mut(id as usize).and_then(Option::take) {
+        if let Some(socket) = self.conns.take(id as usize) {
             let _ = self.ctl(libc::EPOLL_CTL_DEL, socket.fd.as_raw_fd(), 0, 0);
             self.count -= 1;
             self.closed
@@ -628,7 +629,7 @@ impl Reactor {
         let mut ending: Vec<ConnId> = Vec::new();
         let high = self.settings.write_high;
         engine.drain(|id, data, close| {
-            let Some(socket) = self.conns.get_mut(id as usize).and_then(Option::as_mut) else {
+            let Some(socket) = self.conns.get_mut(id as usize) else {
                 other(id, data, close);
                 return;
             };
@@ -639,7 +640,7 @@ impl Reactor {
                 failed.push(id);
                 return;
             }
-            let Some(socket) = self.conns.get_mut(id as usize).and_then(Option::as_mut) else {
+            let Some(socket) = self.conns.get_mut(id as usize) else {
                 return;
             };
             if !socket.paused && socket.out.len() > high {
@@ -679,7 +680,7 @@ impl Reactor {
 
     /// Connections the engine no longer holds (`take_resumed`) are read again.
     pub fn resume(&mut self, id: ConnId) {
-        if let Some(socket) = self.conns.get_mut(id as usize).and_then(Option::as_mut) {
+        if let Some(socket) = self.conns.get_mut(id as usize) {
             socket.held = false;
             self.update_interest(id);
         }
@@ -696,7 +697,7 @@ impl Reactor {
             .filter(|&id| self.socket(id).is_some_and(|s| s.memory_held))
             .collect();
         for &id in &held {
-            if let Some(socket) = self.conns[id as usize].as_mut() {
+            if let Some(socket) = self.conns.get_mut(id as usize) {
                 socket.memory_held = false;
             }
             self.update_interest(id);
@@ -720,11 +721,7 @@ impl Reactor {
     }
 
     fn ids(&self) -> impl Iterator<Item = ConnId> + '_ {
-        self.conns
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.is_some())
-            .map(|(id, _)| id as ConnId)
+        self.conns.iter().map(|(id, _)| id as ConnId)
     }
 
     /// Ends the connections whose linger passed. Returns whether any ended.
@@ -752,7 +749,7 @@ impl Reactor {
     pub fn linger_all(&mut self, engine: &mut Engine, now: u64) {
         let ids: Vec<ConnId> = self.ids().collect();
         for id in ids {
-            if let Some(socket) = self.conns[id as usize].as_mut() {
+            if let Some(socket) = self.conns.get_mut(id as usize) {
                 if socket.ending == Ending::No {
                     socket.ending = Ending::Linger;
                     if socket.out.is_empty() {
@@ -937,7 +934,7 @@ mod tests {
         client.write_all(CONNECT).unwrap();
         s.turn();
         assert_eq!(read_some(&mut client), CONNACK);
-        s.reactor.conns[0].as_mut().unwrap().held = true;
+        s.reactor.conns.get_mut(0).unwrap().held = true;
         s.reactor.update_interest(0);
         // PINGREQ: not read while held.
         client.write_all(b"\xc0\x00").unwrap();
@@ -988,7 +985,7 @@ mod tests {
         let mut s = Setup::new(settings());
         let _client = s.client();
         s.turn();
-        let fd = s.reactor.conns[0].as_ref().unwrap().fd.as_raw_fd();
+        let fd = s.reactor.conns.get(0).unwrap().fd.as_raw_fd();
         let mut on: libc::c_int = 0;
         let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
         // SAFETY: reading an int option of an open socket into a local.

@@ -337,12 +337,13 @@ impl Engine {
         let Some(session) = self.session_mut(sid) else {
             return;
         };
-        session.read_check = perms.filter(|p| {
+        let perms = perms.filter(|p| {
             session
                 .subs
                 .keys()
                 .any(|filter| !p.covers(acl::READ, filter))
         });
+        session.set_read_check(perms);
     }
 
     // ---- access log ----

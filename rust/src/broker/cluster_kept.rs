@@ -272,7 +272,6 @@ impl Engine {
             let Some(recent) = self
                 .sessions
                 .get_mut(sid as usize)
-                .and_then(Option::as_mut)
                 .and_then(|s| s.recent.as_mut())
             else {
                 done.push((sid, false));

@@ -41,7 +41,9 @@ impl Engine {
             // A connection still open (closing), a claim of this node waiting for it, or a
             // will waiting for its delay: taken over from the copy instead (which publishes
             // the will).
-            let will = self.session(sid).is_some_and(|s| s.pending_will.is_some());
+            let will = self
+                .session(sid)
+                .is_some_and(|s| s.pending_will().is_some());
             if will || !self.holds_disconnected(&client) {
                 continue;
             }

@@ -165,7 +165,7 @@ impl Engine {
         if origin == 0 {
             return;
         }
-        for s in self.sessions.iter_mut().flatten() {
+        for s in self.sessions.values_mut() {
             if let Some(recent) = s.recent.as_mut() {
                 recent.direct_caught_up.retain(|&o| o != origin);
             }

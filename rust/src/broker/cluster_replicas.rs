@@ -898,8 +898,8 @@ impl Engine {
             let seq = s.next_seq + 1;
             let client = s.client_id.clone();
             if listing == Listing::Lagging {
-                if s.taken_from_seq == 0 {
-                    s.taken_from_seq = seq;
+                if s.taken_from_seq() == 0 {
+                    s.rare_mut().taken_from_seq = seq;
                 }
             } else {
                 let listed = &mut self.replicas.listed;
@@ -925,8 +925,8 @@ impl Engine {
         }
         for (_, sid, client, seq) in std::mem::take(&mut self.replicas.listed) {
             if let Some(s) = self.session_mut(sid).filter(|s| s.client_id == client) {
-                if s.taken_from_seq == 0 || s.taken_from_seq > seq {
-                    s.taken_from_seq = seq;
+                if s.taken_from_seq() == 0 || s.taken_from_seq() > seq {
+                    s.rare_mut().taken_from_seq = seq;
                 }
             }
         }
@@ -945,7 +945,7 @@ impl Engine {
         // has them, whatever its age; nor for those this node told `to` it took (`TakenIds`):
         // the newer version skipped them.
         let age = self.wall(now).saturating_sub(newer.clock >> 16);
-        let taken_from = self.session(sid).map_or(0, |s| s.taken_from_seq);
+        let taken_from = self.session(sid).map_or(0, |s| s.taken_from_seq());
         let told = self.told_taken(sid, now);
         let old = age >= OWN_RELAY_MS;
         if old && taken_from == 0 && told.is_empty() {
@@ -1204,7 +1204,7 @@ impl Engine {
         }
         let session = self.session_mut(sid)?;
         session.stamp = None;
-        session.pending_will = None;
+        session.take_pending_will();
         Some(client)
     }
 

@@ -1413,9 +1413,11 @@ impl Engine {
         session.queue.clear();
         session.queued_bytes = 0;
         session.inflight.clear();
-        session.inflight_ids = None;
+        if let Some(rare) = session.rare.as_mut() {
+            rare.inflight_ids = None;
+        }
         session.inbound_qos2 = Default::default();
-        session.pending_will = None;
+        session.take_pending_will();
         if let Some(recent) = session.recent.as_mut() {
             recent.relay_waits.clear();
             recent.direct_waits.clear();

@@ -37,7 +37,7 @@ impl Engine {
         }
         let marks = self.cluster.routed_marks();
         if let Some(s) = self.session_mut(sid) {
-            s.routed_since = Some(marks.into_boxed_slice());
+            s.rare_mut().routed_since = Some(marks.into_boxed_slice());
         }
     }
 
@@ -45,7 +45,10 @@ impl Engine {
     /// here: none if that is not known (restored at start-up), or if it waits for its
     /// owners' word (it is confirmed first; what it held might stay behind).
     pub(super) fn took_routed(&self, sid: SessionId) -> Vec<RoutedRange> {
-        let Some(since) = self.session(sid).and_then(|s| s.routed_since.as_deref()) else {
+        let Some(since) = self
+            .session(sid)
+            .and_then(|s| s.rare()?.routed_since.as_deref())
+        else {
             return Vec::new();
         };
         if self.unconfirmed(sid) {

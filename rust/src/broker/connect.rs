@@ -257,7 +257,7 @@ impl Engine {
             session.expiry = expiry;
             session.disconnected_at = None;
             // A resumed session cancels a delayed will (MQTT-3.1.3-9).
-            session.pending_will = None;
+            session.take_pending_will();
         }
         let cfg = &self.cfg;
         let mut ack_props = Properties::default();
@@ -290,8 +290,8 @@ impl Engine {
             conn.state = ConnState::Active;
             conn.session = Some(sid);
             conn.client_id = client_id.clone();
-            conn.keep_alive_ms = u64::from(keep_alive) * 1000;
-            conn.client_max_packet = props.maximum_packet_size.map_or(usize::MAX, |m| m as usize);
+            conn.keep_alive_ms = u32::from(keep_alive) * 1000;
+            conn.client_max_packet = props.maximum_packet_size.unwrap_or(u32::MAX);
             conn.client_receive_max = props.receive_maximum.unwrap_or(65535);
             conn.client_topic_alias_max = props.topic_alias_maximum.unwrap_or(0);
         }
@@ -345,13 +345,10 @@ impl Engine {
     pub(super) fn insert_session(&mut self, client_id: Arc<str>, session: Session) -> SessionId {
         let sid = match self.free_sessions.pop() {
             Some(sid) => {
-                self.sessions[sid as usize] = Some(session);
+                self.sessions.set(sid as usize, session);
                 sid
             }
-            None => {
-                self.sessions.push(Some(session));
-                (self.sessions.len() - 1) as SessionId
-            }
+            None => self.sessions.push(session) as SessionId,
         };
         self.by_client.insert(client_id.clone(), sid);
         self.registry_note(&client_id);

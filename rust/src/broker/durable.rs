@@ -206,8 +206,7 @@ impl Engine {
             subs: session.subs.iter().map(|(f, o)| (f.clone(), *o)).collect(),
             will,
             will_at_wall: session
-                .pending_will
-                .as_ref()
+                .pending_will()
                 .map(|(_, at)| wall_now + at.saturating_sub(now)),
             stamp: session.stamp,
         }
@@ -729,7 +728,10 @@ impl Engine {
             if at <= now {
                 self.publish_will(*will, sid, now);
             } else {
-                self.session_mut(sid).expect("restored").pending_will = Some((will, at));
+                self.session_mut(sid)
+                    .expect("restored")
+                    .rare_mut()
+                    .pending_will = Some((will, at));
             }
             self.persist_session(sid, now);
         }

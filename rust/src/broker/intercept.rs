@@ -81,7 +81,7 @@ impl Engine {
         if pending.msg.qos == QoS::ExactlyOnce {
             let session = self.session_mut(sid).expect("exists");
             session.inbound_qos2.insert(pkid);
-            session.intercepting.push(pkid);
+            session.rare_mut().intercepting.push(pkid);
         }
         let q = &mut self.intercepted;
         q.next_ticket += 1;
@@ -159,8 +159,10 @@ impl Engine {
         let qos = p.msg.qos;
         if session_same && qos == QoS::ExactlyOnce {
             let s = self.session_mut(p.sid).expect("checked");
-            if let Some(i) = s.intercepting.iter().position(|&k| k == p.pkid) {
-                s.intercepting.swap_remove(i);
+            if let Some(rare) = s.rare.as_mut() {
+                if let Some(i) = rare.intercepting.iter().position(|&k| k == p.pkid) {
+                    rare.intercepting.swap_remove(i);
+                }
             }
         }
         let ack_to = if live {

@@ -44,6 +44,8 @@ mod timers;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
+use crate::slots::Slots;
+
 use bytes::BytesMut;
 
 pub use acl::Permissions;
@@ -97,9 +99,9 @@ pub type Event = (&'static str, Arc<str>, String);
 
 pub struct Engine {
     cfg: Config,
-    conns: Vec<Option<Conn>>,
+    conns: Slots<Conn>,
     free_conns: Vec<ConnId>,
-    sessions: Vec<Option<Session>>,
+    sessions: Slots<Session>,
     free_sessions: Vec<SessionId>,
     by_client: HashMap<Arc<str>, SessionId>,
     subs: SubscriptionIndex<SessionId>,
@@ -162,9 +164,9 @@ impl Engine {
     pub fn new(cfg: Config) -> Engine {
         Engine {
             cfg,
-            conns: Vec::new(),
+            conns: Slots::new(),
             free_conns: Vec::new(),
-            sessions: Vec::new(),
+            sessions: Slots::new(),
             free_sessions: Vec::new(),
             by_client: HashMap::new(),
             subs: SubscriptionIndex::new(),
@@ -216,13 +218,10 @@ impl Engine {
         conn.serial = self.serials;
         match self.free_conns.pop() {
             Some(id) => {
-                self.conns[id as usize] = Some(conn);
+                self.conns.set(id as usize, conn);
                 id
             }
-            None => {
-                self.conns.push(Some(conn));
-                (self.conns.len() - 1) as ConnId
-            }
+            None => self.conns.push(conn) as ConnId,
         }
     }
 
@@ -283,7 +282,7 @@ impl Engine {
         self.drop_hold(id);
         let outstanding = self.conn(id).is_some_and(|c| c.auth_outstanding);
         // Keep the slot out of `dirty` handling: drain skips empty slots.
-        self.conns[id as usize] = None;
+        self.conns.take(id as usize);
         self.quarantine_or_free(id, outstanding, now);
     }
 
@@ -353,7 +352,7 @@ impl Engine {
     pub fn drain(&mut self, mut f: impl FnMut(ConnId, &[u8], u8)) {
         let dirty = std::mem::take(&mut self.dirty);
         for &id in &dirty {
-            if let Some(Some(conn)) = self.conns.get_mut(id as usize) {
+            if let Some(conn) = self.conns.get_mut(id as usize) {
                 conn.dirty = false;
                 let close = match (conn.close_after_write, conn.client_closed) {
                     (false, _) => CLOSE_NO,
@@ -406,12 +405,7 @@ impl Engine {
 
     pub fn stats(&self) -> Stats {
         let mut s = self.stats.clone();
-        s.clients_connected = self
-            .sessions
-            .iter()
-            .flatten()
-            .filter(|s| s.conn.is_some())
-            .count() as u64;
+        s.clients_connected = self.sessions.values().filter(|s| s.conn.is_some()).count() as u64;
         s
     }
 
@@ -428,20 +422,16 @@ impl Engine {
     }
 
     pub fn inflight_count(&self) -> usize {
-        self.sessions
-            .iter()
-            .flatten()
-            .map(|s| s.inflight.len())
-            .sum()
+        self.sessions.values().map(|s| s.inflight.len()).sum()
     }
 
     pub fn queued_count(&self) -> usize {
-        self.sessions.iter().flatten().map(|s| s.queue.len()).sum()
+        self.sessions.values().map(|s| s.queue.len()).sum()
     }
 
     /// Payload bytes queued across sessions (a scan, like `queued_count`).
     pub fn queued_bytes(&self) -> usize {
-        self.sessions.iter().flatten().map(|s| s.queued_bytes).sum()
+        self.sessions.values().map(|s| s.queued_bytes).sum()
     }
 
     /// Connections the caller was told to stop reading, not yet resumed.
@@ -457,8 +447,7 @@ impl Engine {
     /// Connections whose authentication is not yet decided (re-authentications included).
     pub fn auth_pending_count(&self) -> usize {
         self.conns
-            .iter()
-            .flatten()
+            .values()
             .filter(|c| {
                 matches!(c.state, ConnState::AwaitAuth | ConnState::AuthContinue)
                     || c.auth.as_ref().is_some_and(|a| a.reauth)
@@ -469,23 +458,23 @@ impl Engine {
     // ---- internals shared by the handler files ----
 
     fn conn_mut(&mut self, id: ConnId) -> Option<&mut Conn> {
-        self.conns.get_mut(id as usize).and_then(|c| c.as_mut())
+        self.conns.get_mut(id as usize)
     }
 
     fn conn(&self, id: ConnId) -> Option<&Conn> {
-        self.conns.get(id as usize).and_then(|c| c.as_ref())
+        self.conns.get(id as usize)
     }
 
     fn session_mut(&mut self, sid: SessionId) -> Option<&mut Session> {
-        self.sessions.get_mut(sid as usize).and_then(|s| s.as_mut())
+        self.sessions.get_mut(sid as usize)
     }
 
     fn session(&self, sid: SessionId) -> Option<&Session> {
-        self.sessions.get(sid as usize).and_then(|s| s.as_ref())
+        self.sessions.get(sid as usize)
     }
 
     fn mark_dirty(&mut self, id: ConnId) {
-        if let Some(conn) = self.conns.get_mut(id as usize).and_then(|c| c.as_mut()) {
+        if let Some(conn) = self.conns.get_mut(id as usize) {
             if !conn.dirty {
                 conn.dirty = true;
                 self.dirty.push(id);
@@ -496,12 +485,12 @@ impl Engine {
     /// Encodes `packet` onto `id`'s output. Returns false (and writes nothing) when the
     /// packet is larger than the client's Maximum Packet Size.
     fn send(&mut self, id: ConnId, packet: &Packet) -> bool {
-        let Some(conn) = self.conns.get_mut(id as usize).and_then(|c| c.as_mut()) else {
+        let Some(conn) = self.conns.get_mut(id as usize) else {
             return false;
         };
         let start = conn.out.len();
         if codec::encode(packet, conn.protocol, &mut conn.out).is_err()
-            || conn.out.len() - start > conn.client_max_packet
+            || conn.out.len() - start > conn.client_max_packet as usize
         {
             conn.out.truncate(start);
             return false;
@@ -589,7 +578,7 @@ impl Engine {
     /// Ignores further input from `id` and asks the caller to close it once its output is
     /// written.
     fn stop_reading_and_close(&mut self, id: ConnId) {
-        let Some(conn) = self.conns.get_mut(id as usize).and_then(|c| c.as_mut()) else {
+        let Some(conn) = self.conns.get_mut(id as usize) else {
             return;
         };
         if conn.state == ConnState::Active {
@@ -646,7 +635,10 @@ impl Engine {
                 self.publish_will(*will, sid, now);
             } else {
                 let at = now + 1000 * u64::from(delay.min(expiry));
-                self.session_mut(sid).expect("exists").pending_will = Some((will, at));
+                self.session_mut(sid)
+                    .expect("exists")
+                    .rare_mut()
+                    .pending_will = Some((will, at));
             }
         }
         if expiry == 0 {
@@ -681,7 +673,7 @@ impl Engine {
         let Some(session) = self.remove_session(sid) else {
             return;
         };
-        if let Some((will, _)) = session.pending_will {
+        if let Some((will, _)) = session.rare.and_then(|r| r.pending_will) {
             self.publish_will(*will, state::BROKER_ORIGIN, now);
         }
     }
@@ -689,7 +681,7 @@ impl Engine {
     /// Takes session `sid` out of the engine with its subscriptions (not its records).
     fn remove_session(&mut self, sid: SessionId) -> Option<Session> {
         self.will_ended(sid);
-        let session = self.sessions.get_mut(sid as usize).and_then(|s| s.take())?;
+        let session = self.sessions.take(sid as usize)?;
         for filter in session.subs.keys() {
             self.index_unsubscribe(filter, sid);
         }

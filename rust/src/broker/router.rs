@@ -215,7 +215,10 @@ impl Engine {
             let receive_maximum = usize::from(self.cfg.receive_maximum);
             let session = self.session(sid).expect("exists");
             if session.inbound_qos2.contains(&p.pkid) {
-                if !session.intercepting.contains(&p.pkid) {
+                if !session
+                    .rare()
+                    .is_some_and(|r| r.intercepting.contains(&p.pkid))
+                {
                     self.send(id, &Packet::PubRec(Engine::ack(p.pkid, 0)));
                 }
                 return;
@@ -544,7 +547,7 @@ impl Engine {
         let Some(session) = self.session(sid) else {
             return false;
         };
-        if let Some(perms) = &session.read_check {
+        if let Some(perms) = session.read_check() {
             if !perms.allows(acl::READ, &msg.topic) {
                 return false;
             }
@@ -733,7 +736,7 @@ impl Engine {
         now: u64,
     ) -> bool {
         let alias_enabled = self.cfg.outgoing_topic_aliases;
-        let Some(conn) = self.conns.get_mut(cid as usize).and_then(|c| c.as_mut()) else {
+        let Some(conn) = self.conns.get_mut(cid as usize) else {
             return false;
         };
         let v5 = conn.protocol == Protocol::V5;
@@ -775,7 +778,7 @@ impl Engine {
         };
         let start = conn.out.len();
         let fits = codec::encode_publish(&packet, conn.protocol, &mut conn.out).is_ok()
-            && conn.out.len() - start <= conn.client_max_packet;
+            && conn.out.len() - start <= conn.client_max_packet as usize;
         if !fits {
             conn.out.truncate(start);
             if new_alias {

@@ -110,12 +110,12 @@ pub struct Conn {
     pub opened_at: u64,
     pub last_rx: u64,
     /// Keepalive in ms (0 = none); the connection is closed after 1.5 times it.
-    pub keep_alive_ms: u64,
+    pub keep_alive_ms: u32,
     /// Boxed: most connections have no will, and an idle connection's size is the broker's
     /// memory per client.
     pub will: Option<Box<LastWill>>,
     /// Client's limits (MQTT 5 CONNECT properties).
-    pub client_max_packet: usize,
+    pub client_max_packet: u32,
     pub client_receive_max: u16,
     pub client_topic_alias_max: u16,
     /// Topic aliases (MQTT 5), boxed and made on first use: most clients use none, and two
@@ -176,7 +176,7 @@ impl Conn {
             last_rx: now,
             keep_alive_ms: 0,
             will: None,
-            client_max_packet: usize::MAX,
+            client_max_packet: u32::MAX,
             client_receive_max: 65535,
             client_topic_alias_max: 0,
             aliases: None,
@@ -232,7 +232,7 @@ pub struct Session {
     pub client_id: Arc<str>,
     pub conn: Option<ConnId>,
     /// Filter (as subscribed, `$share/...` included) -> options.
-    pub subs: HashMap<String, SubOpts>,
+    pub subs: HashMap<String, SubOpts, ProcessKeys>,
     /// Seconds the session outlives its connection; u32::MAX = forever.
     pub expiry: u32,
     pub disconnected_at: Option<u64>,
@@ -242,9 +242,6 @@ pub struct Session {
     /// Sent, not yet acknowledged, in send order. Changed through `push_inflight` and
     /// `remove_inflight`, which keep `inflight_ids` in step.
     pub inflight: VecDeque<Inflight>,
-    /// The packet ids in `inflight` as a bitset, built once the window is large (below that
-    /// a scan is cheaper and costs no memory); dropped when the window empties.
-    pub inflight_ids: Option<Box<PkidSet>>,
     pub next_pkid: u16,
     /// In the engine's pending-pump list (queue sending stopped at its budget).
     pub pump_pending: bool,
@@ -255,6 +252,39 @@ pub struct Session {
     /// QoS 2 packet ids received and passed on, awaiting PUBREL: a repeat is not delivered
     /// again.
     pub inbound_qos2: InboundIds,
+    /// What few sessions use, made on first use (`rare_mut`).
+    pub rare: Option<Box<SessionRare>>,
+    /// In a cluster, the version of this session here (see broker::cluster_replicas): set
+    /// when it becomes durable or is installed, stored with it, carried by its copies.
+    pub stamp: Option<Stamp>,
+    /// For a while after it moved here, the ids of the messages that reached it: the same
+    /// message can come along several paths then (broker::cluster_sessions).
+    pub recent: Option<Box<RecentIds>>,
+}
+
+/// The hasher of a session's subscription map: one random key for the whole process (as
+/// resistant to chosen collisions as `RandomState`) and none in each map, so a session
+/// without subscriptions costs 32 bytes for it, not 48.
+#[derive(Clone, Copy, Default)]
+pub struct ProcessKeys;
+
+impl std::hash::BuildHasher for ProcessKeys {
+    type Hasher = std::collections::hash_map::DefaultHasher;
+
+    fn build_hasher(&self) -> Self::Hasher {
+        static KEYS: std::sync::OnceLock<std::collections::hash_map::RandomState> =
+            std::sync::OnceLock::new();
+        KEYS.get_or_init(Default::default).build_hasher()
+    }
+}
+
+/// The parts of a session that most sessions never use, boxed apart: an idle session's size
+/// is most of the broker's memory per client (80 bytes less each).
+#[derive(Default)]
+pub struct SessionRare {
+    /// The packet ids in `inflight` as a bitset, built once the window is large (below that
+    /// a scan is cheaper and costs no memory); dropped when the window empties.
+    pub inflight_ids: Option<Box<PkidSet>>,
     /// A will waiting for its delay (or the session end) after an abnormal disconnect.
     pub pending_will: Option<(Box<LastWill>, u64)>,
     /// Set when some subscription is not wholly inside the permissions' READ rules: each
@@ -263,12 +293,6 @@ pub struct Session {
     /// QoS 2 packet ids received and waiting in the interception queue: a resend is ignored
     /// (the PUBREC goes out on release).
     pub intercepting: Vec<u16>,
-    /// In a cluster, the version of this session here (see broker::cluster_replicas): set
-    /// when it becomes durable or is installed, stored with it, carried by its copies.
-    pub stamp: Option<Stamp>,
-    /// For a while after it moved here, the ids of the messages that reached it: the same
-    /// message can come along several paths then (broker::cluster_sessions).
-    pub recent: Option<Box<RecentIds>>,
     /// The store number from which on messages here were listed as taken to a lagging peer
     /// (0: none): those only this version has, handed over whatever its age if a newer
     /// version made meanwhile elsewhere wins (broker::cluster_replicas::give_up).
@@ -353,7 +377,7 @@ impl Session {
         Session {
             client_id,
             conn: None,
-            subs: HashMap::new(),
+            subs: HashMap::default(),
             expiry: 0,
             disconnected_at: None,
             queue: VecDeque::new(),
@@ -362,17 +386,42 @@ impl Session {
             stored: false,
             next_seq: 0,
             inflight: VecDeque::new(),
-            inflight_ids: None,
             next_pkid: 1,
             inbound_qos2: InboundIds::default(),
-            pending_will: None,
-            read_check: None,
-            intercepting: Vec::new(),
+            rare: None,
             stamp: None,
             recent: None,
-            taken_from_seq: 0,
-            routed_since: None,
         }
+    }
+
+    pub fn rare(&self) -> Option<&SessionRare> {
+        self.rare.as_deref()
+    }
+
+    pub fn rare_mut(&mut self) -> &mut SessionRare {
+        self.rare.get_or_insert_with(Default::default)
+    }
+
+    pub fn pending_will(&self) -> Option<&(Box<LastWill>, u64)> {
+        self.rare()?.pending_will.as_ref()
+    }
+
+    pub fn take_pending_will(&mut self) -> Option<(Box<LastWill>, u64)> {
+        self.rare.as_mut()?.pending_will.take()
+    }
+
+    pub fn read_check(&self) -> Option<&Arc<Permissions>> {
+        self.rare()?.read_check.as_ref()
+    }
+
+    pub fn set_read_check(&mut self, perms: Option<Arc<Permissions>>) {
+        if perms.is_some() || self.rare.is_some() {
+            self.rare_mut().read_check = perms;
+        }
+    }
+
+    pub fn taken_from_seq(&self) -> u64 {
+        self.rare().map_or(0, |r| r.taken_from_seq)
     }
 
     /// Next packet id not in flight (1..=65535). The caller checked the window has room.
@@ -384,7 +433,9 @@ impl Session {
                 self.inflight.iter().any(|f| f.pkid == id)
             } else {
                 let inflight = &self.inflight;
-                self.inflight_ids
+                self.rare
+                    .get_or_insert_with(Default::default)
+                    .inflight_ids
                     .get_or_insert_with(|| {
                         let mut set = Box::new(PkidSet([0; 1024]));
                         for f in inflight {
@@ -401,7 +452,7 @@ impl Session {
     }
 
     pub fn push_inflight(&mut self, f: Inflight) {
-        if let Some(set) = &mut self.inflight_ids {
+        if let Some(set) = self.rare.as_mut().and_then(|r| r.inflight_ids.as_mut()) {
             set.insert(f.pkid);
         }
         self.inflight.push_back(f);
@@ -409,10 +460,12 @@ impl Session {
 
     pub fn remove_inflight(&mut self, i: usize) -> Option<Inflight> {
         let f = self.inflight.remove(i)?;
-        if self.inflight.is_empty() {
-            self.inflight_ids = None;
-        } else if let Some(set) = &mut self.inflight_ids {
-            set.remove(f.pkid);
+        if let Some(rare) = self.rare.as_mut() {
+            if self.inflight.is_empty() {
+                rare.inflight_ids = None;
+            } else if let Some(set) = &mut rare.inflight_ids {
+                set.remove(f.pkid);
+            }
         }
         Some(f)
     }
@@ -487,6 +540,6 @@ mod tests {
         while let Some(f) = s.remove_inflight(0) {
             live.remove(&f.pkid);
         }
-        assert!(s.inflight_ids.is_none() && live.is_empty());
+        assert!(s.rare().is_none_or(|r| r.inflight_ids.is_none()) && live.is_empty());
     }
 }

@@ -82,7 +82,9 @@ impl Engine {
             }
         }
         if needs_read_check {
-            self.session_mut(sid).expect("exists").read_check = permissions;
+            self.session_mut(sid)
+                .expect("exists")
+                .set_read_check(permissions);
         }
         self.persist_session(sid, now);
         self.send(

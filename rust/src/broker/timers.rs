@@ -12,8 +12,7 @@ impl Engine {
     /// as they are sent), so they leave memory and the store.
     fn purge_expired_queued(&mut self, now: u64) {
         let mut forgotten: Vec<(SessionId, u64)> = Vec::new();
-        for (i, s) in self.sessions.iter_mut().enumerate() {
-            let Some(s) = s else { continue };
+        for (i, s) in self.sessions.iter_mut() {
             if s.conn.is_some() || !s.queue.iter().any(|d| d.msg.expired(now)) {
                 continue;
             }
@@ -44,8 +43,7 @@ impl Engine {
         self.kept_asks_tick(now);
         let connect_timeout = self.cfg.connect_timeout_ms;
         let mut to_close: Vec<(ConnId, bool)> = Vec::new();
-        for (i, conn) in self.conns.iter().enumerate() {
-            let Some(conn) = conn else { continue };
+        for (i, conn) in self.conns.iter() {
             match conn.state {
                 // Pending authentication counts: until CONNACK, the connect timeout applies.
                 ConnState::AwaitConnect
@@ -61,7 +59,8 @@ impl Engine {
                 ConnState::Active
                     if conn.keep_alive_ms > 0
                         && !conn.held
-                        && now.saturating_sub(conn.last_rx) >= conn.keep_alive_ms * 3 / 2 =>
+                        && now.saturating_sub(conn.last_rx)
+                            >= u64::from(conn.keep_alive_ms) * 3 / 2 =>
                 {
                     to_close.push((i as ConnId, true));
                 }
@@ -81,15 +80,14 @@ impl Engine {
 
         let mut wills = Vec::new();
         let mut expired: Vec<SessionId> = Vec::new();
-        for (i, s) in self.sessions.iter().enumerate() {
-            let Some(s) = s else { continue };
+        for (i, s) in self.sessions.iter() {
             let Some(since) = s.disconnected_at else {
                 continue;
             };
             if s.conn.is_some() {
                 continue;
             }
-            if let Some((_, at)) = &s.pending_will {
+            if let Some((_, at)) = s.pending_will() {
                 if now >= *at {
                     wills.push(i as SessionId);
                 }
@@ -104,7 +102,7 @@ impl Engine {
             wills.retain(|&sid| self.session(sid).is_some_and(|s| s.stamp.is_none()));
         }
         for sid in wills {
-            if let Some((will, _)) = self.session_mut(sid).and_then(|s| s.pending_will.take()) {
+            if let Some((will, _)) = self.session_mut(sid).and_then(|s| s.take_pending_will()) {
                 self.publish_will(*will, sid, now);
                 self.persist_session(sid, now);
             }
