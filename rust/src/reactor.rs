@@ -893,17 +893,22 @@ mod tests {
         assert!(read_some(&mut second).is_empty());
     }
 
-    #[test]
-    fn a_connection_the_broker_ends_gets_its_last_packet_and_an_orderly_end() {
-        let mut s = Setup::new(settings());
+    /// A client whose CONNECT the broker refuses (an unknown protocol level: CONNACK 0x01,
+    /// then the broker closes), after it read the CONNACK.
+    fn refused_client(s: &mut Setup) -> TcpStream {
         let mut client = s.client();
-        // MQTT 3.1.1 with an unknown protocol level: CONNACK 0x01, then the broker closes.
         client
             .write_all(b"\x10\x0d\x00\x04MQTT\x09\x02\x00\x3c\x00\x01a")
             .unwrap();
         s.turn();
-        let got = read_some(&mut client);
-        assert_eq!(got, b"\x20\x02\x00\x01");
+        assert_eq!(read_some(&mut client), b"\x20\x02\x00\x01");
+        client
+    }
+
+    #[test]
+    fn a_connection_the_broker_ends_gets_its_last_packet_and_an_orderly_end() {
+        let mut s = Setup::new(settings());
+        let mut client = refused_client(&mut s);
         // Lingering: the write side is shut, the socket still read until the client closes.
         let mut buf = [0u8; 1];
         assert_eq!(client.read(&mut buf).unwrap(), 0);
@@ -916,12 +921,7 @@ mod tests {
     #[test]
     fn a_linger_that_passes_ends_the_socket() {
         let mut s = Setup::new(settings());
-        let mut client = s.client();
-        client
-            .write_all(b"\x10\x0d\x00\x04MQTT\x09\x02\x00\x3c\x00\x01a")
-            .unwrap();
-        s.turn();
-        assert_eq!(read_some(&mut client), b"\x20\x02\x00\x01");
+        let _client = refused_client(&mut s);
         assert!(!s.reactor.tick(&mut s.engine, s.now + 999));
         assert!(s.reactor.tick(&mut s.engine, s.now + 1_000));
         assert_eq!(s.reactor.count(), 0);
