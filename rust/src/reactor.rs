@@ -19,6 +19,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use crate::broker::{ConnId, Engine, CLOSE_LINGER, CLOSE_NO, FEED_HOLD, FEED_PUBLISHER};
 use crate::slots::Slots;
 
+mod links;
+pub use links::{LinkStats, DATA_KEEPALIVE};
+
 /// Tokens of listeners have this bit; a connection's token is its engine id.
 const LISTENER_TOKEN: u64 = 1 << 63;
 /// Accepts per listener per poll: a connect storm leaves room for reads.
@@ -135,6 +138,8 @@ pub struct Reactor {
     serials: u64,
     /// Sockets lingering: (id, serial, until when).
     lingering: Vec<(ConnId, u64, u64)>,
+    /// Data links to other cluster nodes (`links`).
+    links: links::Links,
 }
 
 fn errno() -> i32 {
@@ -215,6 +220,7 @@ impl Reactor {
             closed: Vec::new(),
             serials: 0,
             lingering: Vec::new(),
+            links: links::Links::default(),
         })
     }
 
@@ -332,6 +338,10 @@ impl Reactor {
             let (token, ready) = (event.u64, event.events);
             if token & LISTENER_TOKEN != 0 {
                 work |= self.accept((token & !LISTENER_TOKEN) as u16, engine, now);
+                continue;
+            }
+            if token & links::LINK_TOKEN != 0 {
+                work |= self.link_ready(token & !links::LINK_TOKEN, ready, engine, now);
                 continue;
             }
             let id = token as ConnId;

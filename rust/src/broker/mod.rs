@@ -36,7 +36,7 @@ mod router;
 mod state;
 mod subscribe;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 #[cfg(test)]
 mod tests_auth;
 mod timers;

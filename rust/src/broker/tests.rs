@@ -11,16 +11,16 @@ use crate::codec::{
     Subscribe, SubscribeFilter, Unsubscribe,
 };
 
-pub(super) struct Harness {
-    pub(super) e: Engine,
-    pub(super) now: u64,
+pub(crate) struct Harness {
+    pub(crate) e: Engine,
+    pub(crate) now: u64,
     protocols: HashMap<ConnId, Protocol>,
     pub(super) rx: HashMap<ConnId, BytesMut>,
     pub(super) closed: Vec<ConnId>,
 }
 
 impl Harness {
-    pub(super) fn new() -> Harness {
+    pub(crate) fn new() -> Harness {
         Harness::with(Config::default())
     }
 
@@ -74,7 +74,7 @@ impl Harness {
         out
     }
 
-    pub(super) fn recv_one(&mut self, id: ConnId) -> Vec<Packet> {
+    pub(crate) fn recv_one(&mut self, id: ConnId) -> Vec<Packet> {
         self.recv().remove(&id).unwrap_or_default()
     }
 
@@ -88,7 +88,7 @@ impl Harness {
         (id, got)
     }
 
-    pub(super) fn connect(&mut self, client_id: &str, protocol: Protocol, clean: bool) -> ConnId {
+    pub(crate) fn connect(&mut self, client_id: &str, protocol: Protocol, clean: bool) -> ConnId {
         let (id, got) = self.connect_with(connect(client_id, protocol, clean));
         match &got[0] {
             Packet::ConnAck(a) => assert_eq!(a.reason_code, 0),
@@ -97,7 +97,7 @@ impl Harness {
         id
     }
 
-    pub(super) fn subscribe(&mut self, id: ConnId, filter: &str, qos: QoS) -> Vec<u8> {
+    pub(crate) fn subscribe(&mut self, id: ConnId, filter: &str, qos: QoS) -> Vec<u8> {
         self.subscribe_with(id, filter, qos, Properties::default())
     }
 
@@ -133,7 +133,7 @@ impl Harness {
         self.recv_one(id)
     }
 
-    pub(super) fn publish(
+    pub(crate) fn publish(
         &mut self,
         id: ConnId,
         topic: &str,
@@ -199,7 +199,7 @@ fn publish(topic: &str, payload: &str, qos: QoS, retain: bool, pkid: u16) -> Pub
     }
 }
 
-pub(super) fn publishes(packets: &[Packet]) -> Vec<&Publish> {
+pub(crate) fn publishes(packets: &[Packet]) -> Vec<&Publish> {
     packets
         .iter()
         .filter_map(|p| match p {

@@ -78,6 +78,15 @@ impl FrameDecoder {
         self.buf.len() - self.start
     }
 
+    /// Takes the bytes held (a partial frame), leaving the decoder empty: what another
+    /// decoder of the same stream starts from.
+    pub fn take_buffered(&mut self) -> Vec<u8> {
+        let rest = self.buf.split_off(self.start);
+        self.buf.clear();
+        self.start = 0;
+        rest
+    }
+
     /// Appends bytes read from the connection.
     pub fn extend(&mut self, data: &[u8]) {
         // Frames handed out are dropped here, not one by one: at most one partial frame
