@@ -430,6 +430,9 @@ class FrameDecoder:
     @property
     def buffered(self) -> int:
         """Bytes held waiting for the rest of a frame."""
+    def take_buffered(self) -> bytes:
+        """Takes the bytes held (a partial frame), leaving the decoder empty: what another
+        decoder of the stream (a link handed to ``Reactor.adopt_link``) starts from."""
 
 # --- WebSocket ---------------------------------------------------------------------------
 # Server-side framing of MQTT over WebSocket (RFC 6455). The opening handshake is done in
@@ -505,6 +508,27 @@ class Reactor:
     def drain(self, engine: Engine, now_ms: int) -> tuple[list[tuple[int, bytes, int]], bool]:
         """Writes the engine's output for the sockets here; returns the rest (as
         ``Engine.drain`` gives it) and whether to flush again."""
+    def adopt_link(
+        self, fd: int, peer: int, initial: bytes, max_frame: int, engine: Engine, now_ms: int
+    ) -> int:
+        """Serves an established cluster data link to engine peer ``peer`` from now on:
+        ``fd`` becomes the reactor's; ``initial`` is what was read past the handshake.
+        Each DATA frame read is fed to the engine (``Engine.cluster_feed``), each frame the
+        engine makes for the peer is written by ``drain_cluster``. Returns the link's id."""
+    def link_write(self, link: int, data: bytes, frames: int, engine: Engine) -> bool:
+        """Queues ``frames`` whole frames on a link (keepalives); False if it is gone."""
+    def link_close(self, link: int, abort: bool, engine: Engine) -> None:
+        """Ends a link at once (``abort``) or once its buffer is sent."""
+    def link_buffered(self, link: int) -> int:
+        """Bytes the link holds that its socket did not take yet."""
+    def link_stats(self, link: int) -> tuple[int, int, int, int, int] | None:
+        """(bytes_in, bytes_out, frames_in, frames_out, last read in ms) since adoption,
+        or None for an ended link."""
+    def take_ended_links(self) -> list[tuple[int, str]]:
+        """Links ended since the last call and why (empty: the peer closed it)."""
+    def drain_cluster(self, engine: Engine) -> list[tuple[int, bytes]]:
+        """``Engine.drain_cluster``: frames for peers whose link is served here are written;
+        the rest are returned."""
     def owns(self, conn: int) -> bool: ...
     def peer(self, conn: int) -> tuple[tuple[str, int], int, int] | None:
         """((host, port), listener index, serial) of a socket open here, or ended since

@@ -249,6 +249,10 @@ impl PyFrameDecoder {
     fn buffered(&self) -> usize {
         self.inner.buffered()
     }
+
+    fn take_buffered<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.take_buffered())
+    }
 }
 
 /// Adds `FrameError`, `FrameDecoder`, `encode_value`, `decode_value` and `encode_frame`.

@@ -76,6 +76,73 @@ impl PyReactor {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
+    fn adopt_link(
+        &mut self,
+        fd: i32,
+        peer: u16,
+        initial: &[u8],
+        max_frame: usize,
+        mut engine: PyRefMut<'_, PyEngine>,
+        now_ms: u64,
+    ) -> PyResult<u64> {
+        self.inner
+            .adopt_link(fd, peer, initial, max_frame, &mut engine.inner, now_ms)
+            .map_err(|e| PyOSError::new_err(e.to_string()))
+    }
+
+    fn link_write(
+        &mut self,
+        link: u64,
+        data: &[u8],
+        frames: u64,
+        mut engine: PyRefMut<'_, PyEngine>,
+    ) -> bool {
+        self.inner.link_write(link, data, frames, &mut engine.inner)
+    }
+
+    fn link_close(&mut self, link: u64, abort: bool, mut engine: PyRefMut<'_, PyEngine>) {
+        self.inner.link_close(link, abort, &mut engine.inner)
+    }
+
+    fn link_buffered(&self, link: u64) -> usize {
+        self.inner.link_buffered(link)
+    }
+
+    fn link_stats(&self, link: u64) -> Option<(u64, u64, u64, u64, u64)> {
+        self.inner.link_stats(link).map(|s| {
+            (
+                s.bytes_in,
+                s.bytes_out,
+                s.frames_in,
+                s.frames_out,
+                s.last_read_ms,
+            )
+        })
+    }
+
+    fn take_ended_links(&mut self) -> Vec<(u64, String)> {
+        self.inner.take_ended_links()
+    }
+
+    fn drain_cluster<'py>(
+        &mut self,
+        py: Python<'py>,
+        mut engine: PyRefMut<'_, PyEngine>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        let mut err = None;
+        self.inner.drain_cluster(&mut engine.inner, |peer, frame| {
+            if let Err(e) = list.append((peer, PyBytes::new(py, frame))) {
+                err.get_or_insert(e);
+            }
+        });
+        match err {
+            Some(e) => Err(e),
+            None => Ok(list),
+        }
+    }
+
     fn owns(&self, conn: u32) -> bool {
         self.inner.owns(conn)
     }
