@@ -142,9 +142,13 @@ class Cluster:
         settings: dict[str, Any] | None = None,
         netns: Any = None,
         sys_interval: float = 0,
+        connection_layer: str | None = None,
     ) -> None:
         self.tmp_path = tmp_path
         self.netns = netns
+        # [listener] connection_layer of every node (None: the default, the compiled one,
+        # which also serves the data links between nodes).
+        self.connection_layer = connection_layer
         # [sys] interval of every node (0: no $SYS messages).
         self.sys_interval = sys_interval
         self.settings = {**FAST, **(settings or {})}
@@ -173,6 +177,11 @@ class Cluster:
             "[listener]",
             f"host = {_toml_value(node.ip)}",
             f"port = {MQTT_PORT}",
+            *(
+                [f"connection_layer = {_toml_value(self.connection_layer)}"]
+                if self.connection_layer
+                else []
+            ),
             "[storage]",
             f"data_dir = {_toml_value(str(node.workdir / 'data'))}",
             "[log]",

@@ -1737,3 +1737,32 @@ def test_a_home_killed_mid_qos2_stream_delivers_each_acknowledged_message_exactl
         )
         assert not missing and not twice, f"lost: {missing}; delivered twice: {twice}"
         publisher.disconnect()
+
+
+@pytest.mark.parametrize("layer", ["compiled", "uvloop"])
+def test_data_links_on_either_connection_layer_carry_messages_and_count_their_traffic(
+    tmp_path, layer
+):
+    """With the compiled connection layer (the default) the reactor serves the data links
+    once their handshake is done (Link.adopt): batches are fed and written in Rust. Either
+    way a message crosses, acknowledgements come back, and the links' traffic is counted."""
+    with Cluster(tmp_path, connection_layer=layer) as cluster:
+        n1, n2 = start_cluster(cluster, 2)
+        status = n1.status()
+        assert status is not None
+        assert status["links"]["n2"]["data"]["compiled"] is (layer == "compiled")
+        before = status["links"]["n2"]["data"]
+        for i in range(3):
+            assert round_trip(n1, n2, b"m%d" % i)
+        after = (n1.status() or {})["links"]["n2"]["data"]
+        for key in ("bytes_out", "frames_out", "bytes_in", "frames_in"):
+            assert after[key] > before[key], (key, before, after)
+        # A data link that goes down (the peer stops) is noticed and comes back with it.
+        n2.stop()
+        wait_for(lambda: not links_up(n1, ["n2"]), 15, "n2's data link down", n1)
+        cluster.start(2, wait=False, join=cluster.seeds(1))
+        wait_for(lambda: links_up(n1, ["n2"]) and links_up(n2, ["n1"]), 30, "back", n1, n2)
+        assert round_trip(n2, n1, b"again")
+        status = n1.status()
+        assert status is not None
+        assert status["links"]["n2"]["data"]["compiled"] is (layer == "compiled")

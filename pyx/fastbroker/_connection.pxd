@@ -78,8 +78,13 @@ cdef class Server:
     cdef readonly object reactor
     cdef readonly list reactor_infos
     cdef dict reactor_kept
+    # Cluster data links the reactor serves (Reactor.adopt_link), and what is told of
+    # their ends: called with Reactor.take_ended_links' list (the cluster's transport).
+    cdef public Py_ssize_t reactor_links
+    cdef public object links_ended_handler
 
     cpdef schedule_flush(self)
+    cpdef check_links(self)
     cpdef flush(self)
     cdef register(self, Connection connection)
     cdef unregister(self, Py_ssize_t conn_id)

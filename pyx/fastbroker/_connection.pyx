@@ -93,6 +93,8 @@ cdef class Server:
         self.close_linger = DEFAULT_CLOSE_LINGER
         self.cluster_output = None
         self.store_state_handler = None
+        self.reactor_links = 0
+        self.links_ended_handler = None
         self.lingering = {}
         self.reactor = None
         self.reactor_infos = []
@@ -116,6 +118,15 @@ cdef class Server:
         # written one iteration sooner (latency at low rates).
         if self.reactor.poll(self.engine, monotonic_now_ms(), self.socket_count):
             self.flush()
+        if self.reactor_links:
+            self.check_links()
+
+    cpdef check_links(self):
+        """Tells the cluster's transport of the data links the reactor ended."""
+        if self.reactor is not None and self.links_ended_handler is not None:
+            ended = self.reactor.take_ended_links()
+            if ended:
+                self.links_ended_handler(ended)
 
     def new_connection(self):
         """Protocol factory for ``loop.create_server``."""
@@ -223,7 +234,11 @@ cdef class Server:
                 connection.transport.abort()
         if self.cluster_output is not None and self.engine.has_cluster_output():
             # After the store batch: an acknowledgement to a peer says its messages are kept.
-            self.cluster_output(self.engine.drain_cluster())
+            # The reactor writes the frames of the links it serves; the rest go to Python's.
+            if self.reactor_links:
+                self.cluster_output(self.reactor.drain_cluster(self.engine))
+            else:
+                self.cluster_output(self.engine.drain_cluster())
         # A long queue is sent a slice per loop iteration: go on in the next one.
         if again or self.engine_has_output():
             self.schedule_flush()

@@ -41,6 +41,7 @@ class DataPlane:
         engine.cluster_require_map()
         server.cluster_output = self.send
         server.store_state_handler = self.store_failing
+        server.links_ended_handler = transport.links_ended
 
     def peer(self, node_id: str) -> int:
         peer = self.peer_ids.get(node_id)
@@ -53,6 +54,10 @@ class DataPlane:
     def link_up(self, node_id: str) -> None:
         peer = self.peer(node_id)
         link = self.transport.data_links.get(node_id)
+        if link is not None:
+            # Served by the compiled connection layer from now on, where it can be (plain
+            # TCP, the reactor on): before the engine sends anything on it.
+            link.adopt(self.server, peer)
         self.engine.cluster_set_protocol(peer, link.version if link and link.version else 2)
         self.engine.cluster_link(peer, True)
         self.server.schedule_flush()

@@ -53,6 +53,8 @@ from typing import Any, cast
 
 import fastbroker_core
 
+from fastbroker._connection import monotonic_ms
+
 logger = logging.getLogger("fastbroker.cluster.transport")
 
 MAGIC = "fastbroker-cluster"
@@ -259,6 +261,12 @@ class Link(asyncio.Protocol):
         # sent nothing since gets a DATA_KEEPALIVE (no per-batch cost for this).
         self.keepalive_at = self.last_received
         self.keepalive_bytes = 0
+        # Once the compiled connection layer serves this data link (`adopt`): the server
+        # whose reactor holds its socket, the link's id there, and the reactor's counters
+        # as last added to this link's.
+        self.reactor_server: Any = None
+        self.reactor_link: int | None = None
+        self.reactor_counted = (0, 0, 0, 0)
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -324,6 +332,9 @@ class Link(asyncio.Protocol):
             self.owner.link_writable(self, True)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.reactor_link is not None:
+            # uvloop's transport, given up when the reactor took the socket (`adopt`).
+            return
         self.closed = True
         self.lost = True
         self.uncount()
@@ -455,8 +466,6 @@ class Link(asyncio.Protocol):
             self.traffic.dropped_frames += 1
             return False
         self.pending.append(fastbroker_core.encode_frame(kind, value))
-        self.frames_out += 1
-        self.traffic.frames_out += 1
         if not self.flush_scheduled:
             self.flush_scheduled = True
             self.owner.loop.call_soon(self.flush)
@@ -466,8 +475,7 @@ class Link(asyncio.Protocol):
         self.flush_scheduled = False
         if self.pending and not self.closed and self.transport is not None:
             data = b"".join(self.pending)
-            self.bytes_out += len(data)
-            self.traffic.bytes_out += len(data)
+            self.count_out(len(data), len(self.pending))
             self.writes += 1
             self.transport.write(data)
         self.pending.clear()
@@ -478,10 +486,7 @@ class Link(asyncio.Protocol):
             return
         if self.pending:
             self.flush()
-        self.bytes_out += len(data)
-        self.frames_out += frames
-        self.traffic.bytes_out += len(data)
-        self.traffic.frames_out += frames
+        self.count_out(len(data), frames)
         self.transport.write(data)
 
     def tls_version(self) -> str | None:
@@ -493,11 +498,99 @@ class Link(asyncio.Protocol):
     def send_now(self, kind: int, value: Any) -> None:
         if self.transport is not None and not self.closed:
             data = fastbroker_core.encode_frame(kind, value)
-            self.bytes_out += len(data)
-            self.frames_out += 1
-            self.traffic.bytes_out += len(data)
-            self.traffic.frames_out += 1
+            self.count_out(len(data), 1)
             self.transport.write(data)
+
+    def count_out(self, nbytes: int, frames: int) -> None:
+        if self.reactor_link is not None:
+            # The reactor counts what it writes (`sync_counters`).
+            return
+        self.bytes_out += nbytes
+        self.frames_out += frames
+        self.traffic.bytes_out += nbytes
+        self.traffic.frames_out += frames
+
+    # -- served by the compiled connection layer ------------------------------------------
+
+    def adopt(self, server: Any, peer: int) -> bool:
+        """Hands this data link's socket to the server's reactor (fastbroker_core.Reactor,
+        the compiled connection layer): from now on each batch the peer sends is fed to the
+        engine, and each batch for it written, in Rust with no Python per batch (issue 15:
+        the hop's cost). Only a plain TCP link whose write buffer is empty is handed over
+        (TLS links stay on uvloop). What this read brought past the handshake: the frames
+        already decoded are delivered by `data_received` as before, a partial frame goes
+        with the socket."""
+        transport = self.transport
+        reactor = getattr(server, "reactor", None)
+        if (
+            reactor is None
+            or transport is None
+            or self.closed
+            or not self.up
+            or self.channel != DATA_CHANNEL
+            or transport.get_extra_info("ssl_object") is not None
+            or transport.get_write_buffer_size() > 0
+            or self.pending
+        ):
+            return False
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        fd = os.dup(sock.fileno())
+        initial = self.decoder.take_buffered()
+        try:
+            # The reactor owns `fd` from here, also when this fails.
+            link_id = reactor.adopt_link(
+                fd, peer, initial, MAX_FRAME, server.engine, monotonic_ms()
+            )
+        except OSError as error:
+            self.fail(f"the compiled layer cannot serve the data link: {error}")
+            return False
+        self.reactor_server = server
+        self.reactor_link = link_id
+        self.transport = cast(asyncio.Transport, ReactorLinkTransport(self))
+        self.owner.adopted[link_id] = self
+        server.reactor_links += 1
+        # uvloop closes its descriptor (the socket stays open on the reactor's); its
+        # connection_lost is ignored.
+        transport.abort()
+        return True
+
+    def sync_counters(self) -> None:
+        """Adds what the reactor counted since the last call to this link's counters and
+        its peer's traffic."""
+        if self.reactor_link is None:
+            return
+        stats = self.reactor_server.reactor.link_stats(self.reactor_link)
+        if stats is None:
+            return
+        bytes_in, bytes_out, frames_in, frames_out, last_read_ms = stats
+        c_in, c_out, cf_in, cf_out = self.reactor_counted
+        self.reactor_counted = (bytes_in, bytes_out, frames_in, frames_out)
+        t = self.traffic
+        self.bytes_in += bytes_in - c_in
+        t.bytes_in += bytes_in - c_in
+        self.bytes_out += bytes_out - c_out
+        t.bytes_out += bytes_out - c_out
+        self.frames_in += frames_in - cf_in
+        t.frames_in += frames_in - cf_in
+        self.frames_out += frames_out - cf_out
+        t.frames_out += frames_out - cf_out
+        # The reactor's clock is monotonic_ms, the loop's time() the same clock in seconds.
+        self.last_received = max(self.last_received, last_read_ms / 1000)
+
+    def reactor_ended(self, why: str) -> None:
+        """The reactor ended this link (the peer closed it, a malformed frame, a close
+        asked here): as uvloop's connection_lost."""
+        self.sync_counters()
+        self.reactor_server.reactor_links -= 1
+        if why and not self.closed:
+            peer = self.peer_id or "?"
+            logger.warning("link to %s closed: %s", peer, why)
+        self.closed = True
+        self.lost = True
+        self.uncount()
+        self.owner.link_lost(self)
 
     def fail(self, why: str) -> None:
         self.close(why, level=logging.WARNING)
@@ -523,6 +616,41 @@ class Link(asyncio.Protocol):
             return
         self.flush()
         self.transport.close()
+
+
+class ReactorLinkTransport:
+    """What a data link served by the reactor (`Link.adopt`) has of asyncio's transport:
+    the few calls Link makes after its handshake (keepalives, close)."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.server = link.reactor_server
+        self.link_id = link.reactor_link
+
+    def write(self, data: bytes) -> None:
+        # Whole frames, each a 4-byte length and that many bytes (keepalives, rarely more).
+        frames, at = 0, 0
+        while at + 4 <= len(data):
+            at += 4 + int.from_bytes(data[at : at + 4], "big")
+            frames += 1
+        self.server.reactor.link_write(self.link_id, data, frames, self.server.engine)
+
+    def get_write_buffer_size(self) -> int:
+        return int(self.server.reactor.link_buffered(self.link_id))
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def close(self) -> None:
+        self.end(abort=False)
+
+    def abort(self) -> None:
+        self.end(abort=True)
+
+    def end(self, *, abort: bool) -> None:
+        self.server.reactor.link_close(self.link_id, abort, self.server.engine)
+        # As uvloop calls connection_lost: soon, not from inside the close.
+        self.link.owner.loop.call_soon(self.server.check_links)
 
 
 class Transport:
@@ -593,6 +721,15 @@ class Transport:
         self.server: asyncio.Server | None = None
         self.closing = False
         self.rng = random.Random()
+        # Data links the compiled connection layer serves, by their id there (Link.adopt).
+        self.adopted: dict[int, Link] = {}
+
+    def links_ended(self, ended: list[tuple[int, str]]) -> None:
+        """The reactor ended these data links (Server.links_ended_handler)."""
+        for link_id, why in ended:
+            link = self.adopted.pop(link_id, None)
+            if link is not None:
+                link.reactor_ended(why)
 
     async def listen(self, host: str, port: int) -> tuple[str, int]:
         self.server = await self.loop.create_server(
@@ -640,6 +777,7 @@ class Transport:
             # none; its data link goes down with its control link).
             keepalive_s = self.idle_timeout_s / 4
             for link in list(self.data_links.values()):
+                link.sync_counters()
                 if link.version is None or link.version < 3:
                     continue
                 if now - link.last_received > self.idle_timeout_s:
@@ -882,9 +1020,15 @@ class Transport:
                 if peer in self.blocked:
                     links[peer].close("link blocked by fault injection", level=logging.WARNING)
 
-    def stats(self) -> dict[str, dict[str, int]]:
-        return {
-            peer: {
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per peer with a control link: its traffic, and its data link's (None if down),
+        which the compiled connection layer may serve (`compiled`, Link.adopt)."""
+        out: dict[str, dict[str, Any]] = {}
+        for peer, link in self.links.items():
+            data = self.data_links.get(peer)
+            if data is not None:
+                data.sync_counters()
+            out[peer] = {
                 "bytes_in": link.bytes_in,
                 "bytes_out": link.bytes_out,
                 "frames_in": link.frames_in,
@@ -892,7 +1036,15 @@ class Transport:
                 "dropped_frames": link.dropped_frames,
                 "protocol": link.version or 0,
                 "tls": link.tls_version(),
-                "data_link": peer in self.data_links,
+                "data_link": data is not None,
+                "data": None
+                if data is None
+                else {
+                    "bytes_in": data.bytes_in,
+                    "bytes_out": data.bytes_out,
+                    "frames_in": data.frames_in,
+                    "frames_out": data.frames_out,
+                    "compiled": data.reactor_link is not None,
+                },
             }
-            for peer, link in self.links.items()
-        }
+        return out
