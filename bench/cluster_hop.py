@@ -5,6 +5,7 @@ Mosquitto offers), side by side in one run.
 
     python bench/cluster_hop.py [--rounds 3] [--duration 5] [--warmup 1] [--tls]
                                 [--nodes 3] [--scenarios pairs,fan-out,latency]
+                                [--layer compiled|uvloop]
 
 Every measurement gets freshly started brokers. Scenarios (bench/loadgen, QoS 0, 64-byte
 payloads):
@@ -114,6 +115,7 @@ def start_cluster(
     nodes: int = 3,
     settings: dict[str, Any] | None = None,
     mqtt_settings: dict[str, Any] | None = None,
+    layer: str | None = None,
 ) -> Setup:
     """`nodes` nodes on 127.0.0.1, started at once, with these extra [cluster] `settings`
     (and these [mqtt] `mqtt_settings`); returns once every data link is up and every node has
@@ -140,7 +142,15 @@ def start_cluster(
             f"port = {admin}",
         ]
         config = workdir / "fastbroker.toml"
-        text = bench.fastbroker_config_text(mqtt, str(workdir / "data")) + "\n".join(cluster)
+        text = bench.fastbroker_config_text(mqtt, str(workdir / "data"))
+        if layer is not None:
+            # [listener] connection_layer: the compiled one (the default) also serves the
+            # data links between the nodes.
+            port_line = f"port = {mqtt}\n"
+            text = text.replace(
+                port_line, port_line + f"connection_layer = {json.dumps(layer)}\n", 1
+            )
+        text += "\n".join(cluster)
         config.write_text(text + "\n")
         cmd = [*bench.fastbroker_command(), "run", "--config", str(config)]
         procs.append(bench.launch("fastbroker", mqtt, workdir, cmd).proc)
@@ -287,6 +297,12 @@ def main() -> int:
     parser.add_argument("--tls", action="store_true", help="TLS on the cluster's links")
     parser.add_argument("--nodes", type=int, default=3, help="nodes of the cluster (2 or 3)")
     parser.add_argument(
+        "--layer",
+        choices=("compiled", "uvloop"),
+        default=None,
+        help="the cluster nodes' connection layer (default: the broker's, compiled)",
+    )
+    parser.add_argument(
         "--scenarios", default=",".join(s[0] for s in SCENARIOS), help="comma-separated"
     )
     parser.add_argument("--loadgen", default=None)
@@ -297,7 +313,7 @@ def main() -> int:
     tls = make_link_certs(base / "certs") if settings.tls else None
     starters = [
         ("one node", start_single),
-        ("cluster", lambda b: start_cluster(b, tls, settings.nodes)),
+        ("cluster", lambda b: start_cluster(b, tls, settings.nodes, layer=settings.layer)),
         ("bridge", start_bridge),
     ]
     # figures[setup][scenario][figure] -> one value per round
