@@ -554,6 +554,9 @@ class Link(asyncio.Protocol):
         # uvloop closes its descriptor (the socket stays open on the reactor's); its
         # connection_lost is ignored.
         transport.abort()
+        # A malformed partial frame handed over ended the link at once: told soon, not at
+        # the reactor's next event.
+        self.owner.loop.call_soon(server.check_links)
         return True
 
     def sync_counters(self) -> None:
