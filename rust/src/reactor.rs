@@ -172,6 +172,30 @@ fn send_some(fd: RawFd, data: &[u8]) -> Option<usize> {
     Some(sent)
 }
 
+/// Makes `fd` non-blocking.
+fn set_nonblocking(fd: RawFd) {
+    // SAFETY: plain fcntl calls on an open descriptor.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
+    }
+}
+
+/// Turns Nagle off: small packets (a PUBACK, a one-message batch) go at once.
+fn set_nodelay(fd: RawFd) {
+    let one: libc::c_int = 1;
+    // SAFETY: setting an int option on an open socket.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_NODELAY,
+            &one as *const _ as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+}
+
 fn sockaddr_to(addr: &libc::sockaddr_storage) -> SocketAddr {
     match addr.ss_family as i32 {
         libc::AF_INET => {
@@ -288,11 +312,7 @@ impl Reactor {
         }
         // SAFETY: a fresh descriptor nothing else owns.
         let owned = unsafe { OwnedFd::from_raw_fd(dup) };
-        // SAFETY: plain fcntl calls on an open descriptor.
-        unsafe {
-            let flags = libc::fcntl(dup, libc::F_GETFL);
-            libc::fcntl(dup, libc::F_SETFL, flags | libc::O_NONBLOCK);
-        }
+        set_nonblocking(dup);
         let index = self.listeners.len() as u16;
         self.ctl(
             libc::EPOLL_CTL_ADD,
@@ -414,17 +434,7 @@ impl Reactor {
                 self.refused += 1;
                 continue;
             }
-            let one: libc::c_int = 1;
-            // SAFETY: setting an int option on an open socket.
-            unsafe {
-                libc::setsockopt(
-                    fd,
-                    libc::IPPROTO_TCP,
-                    libc::TCP_NODELAY,
-                    &one as *const _ as *const libc::c_void,
-                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-                );
-            }
+            set_nodelay(fd);
             let id = engine.open(now);
             let interest = libc::EPOLLIN as u32;
             if self

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
-use super::{errno, send_some, Reactor, READ_CHUNK};
+use super::{errno, send_some, set_nodelay, set_nonblocking, Reactor, READ_CHUNK};
 use crate::broker::{Engine, PeerId};
 use crate::cluster::batch::DATA_FRAME;
 use crate::cluster::{FrameDecoder, Value};
@@ -76,19 +76,8 @@ impl Reactor {
     ) -> std::io::Result<u64> {
         // SAFETY: the caller hands this descriptor over.
         let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: plain fcntl/setsockopt calls on an open descriptor.
-        unsafe {
-            let flags = libc::fcntl(fd, libc::F_GETFL);
-            libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
-            let on: libc::c_int = 1;
-            libc::setsockopt(
-                fd,
-                libc::IPPROTO_TCP,
-                libc::TCP_NODELAY,
-                &on as *const _ as *const libc::c_void,
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            );
-        }
+        set_nonblocking(fd);
+        set_nodelay(fd);
         if let Some(old) = self.links.by_peer.get(&peer).copied() {
             self.end_link(old, engine, "replaced by a new data link");
         }
