@@ -5,7 +5,9 @@
 //! - `broker`: the sans-I/O broker engine (sessions, routing, QoS flows).
 //! - `cluster`: the inter-node wire format (frames of self-describing values).
 //! - `ws`: the WebSocket frame codec (MQTT over WebSocket).
-//! - `reactor`: the compiled connection layer (client sockets on one epoll set).
+//! - `reactor`: the compiled connection layer (client sockets and cluster data links on one
+//!   epoll set).
+//! - `slots`: tables of values by small integer id, in pages that never move.
 //! - `py`: the PyO3 module `fastbroker_core` (feature `python`).
 
 pub mod broker;

@@ -12,6 +12,9 @@
 //!
 //! Level-triggered epoll: a socket with bytes left past its budget is ready again at the
 //! next iteration without bookkeeping here. Linux only, like the rest of the deployment.
+//!
+//! In a cluster the same set serves the data links to other nodes once their handshake is
+//! done (`links`): batches in and out with no Python per batch.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
