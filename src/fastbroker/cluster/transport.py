@@ -53,8 +53,6 @@ from typing import Any, cast
 
 import fastbroker_core
 
-from fastbroker._connection import monotonic_ms
-
 logger = logging.getLogger("fastbroker.cluster.transport")
 
 MAGIC = "fastbroker-cluster"
@@ -536,6 +534,10 @@ class Link(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is None:
             return False
+        # Imported here: the CLI imports this module from a source tree too, where the
+        # compiled connection layer is not built (and no reactor runs).
+        from fastbroker._connection import monotonic_ms
+
         fd = os.dup(sock.fileno())
         initial = self.decoder.take_buffered()
         try:
