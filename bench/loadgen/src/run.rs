@@ -1013,6 +1013,9 @@ pub fn run_loopback(o: &Opts) -> Result<Obj, String> {
         let mut window = 0u64;
         while !sh.stopped() {
             match r.read(&mut buf) {
+                // The writer stops at the end and closes: its end of stream can come just
+                // after this thread's last read before the end.
+                Ok(0) if Instant::now() >= tl.end => break,
                 Ok(0) => return Err("closed".into()),
                 Ok(n) => {
                     let now = Instant::now();
