@@ -56,12 +56,16 @@ FASTBROKER_OTHER_OPTIONS = {
     "sys_interval",
     "write_buffer_high",
     "log_level",
+    "workers",
     "extra_toml",
     "connection_layer",
 }
 # Set to "uvloop" (or "compiled", the default) to run every single-node test on that
 # connection layer ([listener] connection_layer).
 CONNECTION_LAYER_ENV = "FASTBROKER_TEST_CONNECTION_LAYER"
+# [node] workers of every fastbroker the suite starts (test_workers.py runs a part of the
+# end-to-end suites with 2).
+WORKERS_ENV = "FASTBROKER_TEST_WORKERS"
 
 
 def free_port(host: str = HOST) -> int:
@@ -267,6 +271,9 @@ def fastbroker_config(workdir: Path, port: int, options: dict) -> str:
     layer = options.get("connection_layer") or os.environ.get(CONNECTION_LAYER_ENV)
     if layer:
         lines.append(f"connection_layer = {_toml_value(layer)}")
+    workers = options.get("workers") or os.environ.get(WORKERS_ENV)
+    if workers:
+        lines += ["", "[node]", f"workers = {_toml_value(int(workers))}"]
     lines += [
         "",
         "[storage]",

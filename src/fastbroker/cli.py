@@ -27,6 +27,11 @@ def main() -> None:
 
 
 @main.command()
+@click.option(
+    "--workers",
+    metavar="N|auto",
+    help="Processes serving this node; auto: one per usable core (overrides [node] workers).",
+)
 @click.option("--host", help="Address to listen on (overrides [listener] host).")
 @click.option("--port", type=click.IntRange(0, 65535), help="TCP port (overrides [listener] port).")
 @click.option(
@@ -75,6 +80,7 @@ def main() -> None:
     help="Admin HTTP endpoint (overrides [admin] host and port, and turns it on).",
 )
 def run(
+    workers: str | None,
     host: str | None,
     port: int | None,
     config_path: Path | None,
@@ -97,6 +103,7 @@ def run(
     overrides: dict[str, dict[str, Any]] = {
         "listener": {"host": host, "port": port},
         "log": {"level": log_level},
+        "node": {"workers": workers},
         "storage": {"data_dir": str(data_dir) if data_dir is not None else None},
         "cluster": {
             "node_id": node_id,
@@ -116,6 +123,20 @@ def run(
     except ConfigError as error:
         fail(str(error), EXIT_CONFIG_ERROR)
 
+    if config.node.workers != 1:
+        from fastbroker.workers import run_workers, worker_count
+
+        if worker_count(config) > 1:
+            try:
+                code = run_workers(config, run_broker)
+            except ConfigError as error:
+                fail(str(error), EXIT_CONFIG_ERROR)
+            raise SystemExit(code)
+    raise SystemExit(run_broker(config))
+
+
+def run_broker(config: Any, worker: Any = None) -> int:
+    """Runs one broker process (the only one, or a worker); its exit code."""
     try:
         # Imported here so that config errors and --help work without loading the engine.
         from fastbroker import server
@@ -123,7 +144,7 @@ def run(
         fail(f"cannot load the broker: {error}", EXIT_STARTUP_ERROR)
 
     try:
-        server.run(config)
+        server.run(config, worker)
     except ConfigError as error:
         fail(str(error), EXIT_CONFIG_ERROR)
     except server.StartupError as error:
@@ -131,6 +152,7 @@ def run(
     except KeyboardInterrupt:
         # SIGINT before the signal handlers are installed: nothing to clean up yet.
         pass
+    return 0
 
 
 DEFAULT_ADMIN = "127.0.0.1:18830"

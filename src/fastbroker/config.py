@@ -43,6 +43,7 @@ class ListenerConfig:
 
 
 CONNECTION_LAYERS = ("uvloop", "compiled")
+MAX_WORKERS = 1024
 LISTENER_TYPES = ("tcp", "tls", "ws", "wss")
 LISTENER_DEFAULT_PORTS = {"tcp": 1883, "tls": 8883, "ws": 8083, "wss": 8084}
 PROXY_PROTOCOL_MODES = ("off", "v1", "v2", "any")
@@ -69,6 +70,9 @@ class ListenerSpec:
     tls_min_version: str = "1.2"
     # A PROXY protocol header is expected first on every connection: "v1", "v2", "any".
     proxy_protocol: str = "off"
+    # Set by the worker supervisor (fastbroker.workers), never from TOML: every worker binds
+    # the same address (SO_REUSEPORT) and the kernel spreads connections among them.
+    reuse_port: bool = False
     # ws and wss: the HTTP path of the endpoint; "" accepts any.
     path: str = "/mqtt"
 
@@ -105,6 +109,14 @@ class LogConfig:
 class SysConfig:
     # Seconds between $SYS updates; 0 disables $SYS topics.
     interval: float = 10
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    # Processes serving this node (fastbroker.workers): a number, or "auto" for the cores
+    # this process may use (affinity mask and cgroup CPU quota). 1: one process, no
+    # supervisor (see the README for why 1 is the default).
+    workers: int | str = 1
 
 
 @dataclass(frozen=True)
@@ -162,6 +174,9 @@ class ClusterConfig:
     # QoS 2 reaches a client that crosses the split once; "both" keeps both sides
     # delivering (such a client may get a QoS 2 message twice).
     split_delivery: str = "majority"
+    # Set by the worker supervisor (fastbroker.workers), never from TOML: its seeds are every
+    # node there is, so a fresh one need not wait to hear of a running cluster first.
+    bootstrap_grace: bool = True
 
 
 @dataclass(frozen=True)
@@ -225,6 +240,7 @@ class Config:
     storage: StorageConfig = field(default_factory=StorageConfig)
     log: LogConfig = field(default_factory=LogConfig)
     sys: SysConfig = field(default_factory=SysConfig)
+    node: NodeConfig = field(default_factory=NodeConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
@@ -369,6 +385,15 @@ def plugin_options(value: Any) -> Mapping[str, Mapping[str, Any]]:
     return MappingProxyType({spec: MappingProxyType(dict(v)) for spec, v in value.items()})
 
 
+def worker_count(value: Any) -> int | str:
+    if value == "auto" or (type(value) is int and 1 <= value <= MAX_WORKERS):
+        return value
+    if type(value) is str and value.isdigit() and 1 <= int(value) <= MAX_WORKERS:
+        # From the command line.
+        return int(value)
+    raise ValueError(f'expected "auto" or a number of workers from 1 to {MAX_WORKERS}')
+
+
 def log_level(value: Any) -> str:
     if type(value) is not str or value.lower() not in LOG_LEVELS:
         raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}")
@@ -390,6 +415,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
     },
     "log": {"level": log_level, "access_log": access_log_target},
     "sys": {"interval": number(0)},
+    "node": {"workers": worker_count},
     "cluster": {
         "node_id": node_id,
         "listen": address(allow_any_port=True),
@@ -446,6 +472,7 @@ SECTION_TYPES: dict[str, type] = {
     "storage": StorageConfig,
     "log": LogConfig,
     "sys": SysConfig,
+    "node": NodeConfig,
     "cluster": ClusterConfig,
     "admin": AdminConfig,
     "limits": LimitsConfig,
@@ -477,6 +504,11 @@ def load_config(
         for table, section_type in SECTION_TYPES.items()
     }
     check_cluster(settings["cluster"], source or "<defaults>")
+    if settings["node"].workers != 1 and settings["cluster"].node_id:
+        raise ConfigError(
+            f"{source or '<defaults>'}: [node] workers: more than one worker is not supported "
+            "yet on a cluster node ([cluster] node_id is set); use workers = 1"
+        )
     # [listener] is a listener unless only [[listeners]] are given (its write_buffer_high
     # alone does not count).
     listener_given = listener_tables is None or bool(

@@ -691,7 +691,12 @@ async def bind_listeners(
                 factory = context.plain_connection
             try:
                 server = await loop.create_server(
-                    factory, spec.host, spec.port, backlog=backlog, start_serving=False
+                    factory,
+                    spec.host,
+                    spec.port,
+                    backlog=backlog,
+                    start_serving=False,
+                    reuse_port=spec.reuse_port or None,
                 )
             except OSError as error:
                 raise ListenerBindError(spec, error) from None
@@ -746,6 +751,8 @@ class ReactorListener:
                 sock = socket.socket(family, kind, proto)
                 sockets.append(sock)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if spec.reuse_port:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
                 if family == socket.AF_INET6:
                     # As asyncio does: the IPv4 address gets its own socket.
                     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)

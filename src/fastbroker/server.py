@@ -49,9 +49,13 @@ class StartupError(Exception):
     """The broker cannot start (listener, data directory); described in one line."""
 
 
-def configure_logging(level: str) -> None:
+def configure_logging(level: str, tag: str = "") -> None:
+    """Log lines to stderr; a worker's carry its name (``tag``)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    prefix = f"[{tag}] " if tag else ""
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s")
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -172,9 +176,18 @@ def grow_fd_table(size: int) -> None:
         os.close(fd)
 
 
-def run(config: Config) -> None:
+@dataclasses.dataclass(frozen=True)
+class WorkerSeat:
+    """What a worker process (fastbroker.workers) gets from its supervisor: its name, for
+    its log lines, and the pipe on which it says it serves."""
+
+    name: str
+    ready_fd: int
+
+
+def run(config: Config, worker: WorkerSeat | None = None) -> None:
     """Runs the broker until SIGTERM or SIGINT. Raises ConfigError or StartupError."""
-    configure_logging(config.log.level)
+    configure_logging(config.log.level, worker.name if worker is not None else "")
     raise_fd_limit()
     try:
         engine = fastbroker_core.Engine(engine_config(config))
@@ -186,7 +199,7 @@ def run(config: Config) -> None:
     except OSError as error:
         reason = os_error_reason(error)
         raise StartupError(f"cannot create data directory {data_dir}: {reason}") from None
-    uvloop.run(serve(config, engine))
+    uvloop.run(serve(config, engine, worker))
 
 
 def open_store(config: Config, engine: Any) -> Store:
@@ -220,7 +233,7 @@ def make_reactor(config: Config) -> Any:
     )
 
 
-async def serve(config: Config, engine: Any) -> None:
+async def serve(config: Config, engine: Any, worker: WorkerSeat | None = None) -> None:
     loop = asyncio.get_running_loop()
     reactor = make_reactor(config)
     try:
@@ -255,7 +268,7 @@ async def serve(config: Config, engine: Any) -> None:
         listener.attach(server)
         if reactor is not None:
             server.attach_reactor(reactor, listener.reactor_infos)
-        await run_server(config, engine, server, listener, store)
+        await run_server(config, engine, server, listener, store, worker)
     finally:
         if server is not None:
             server.close_store()
@@ -266,7 +279,12 @@ async def serve(config: Config, engine: Any) -> None:
 
 
 async def run_server(
-    config: Config, engine: Any, server: Server, listener: ListenerGroup, store: Store
+    config: Config,
+    engine: Any,
+    server: Server,
+    listener: ListenerGroup,
+    store: Store,
+    worker: WorkerSeat | None = None,
 ) -> None:
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
@@ -293,6 +311,10 @@ async def run_server(
             await cluster.stop()
         raise
     if cluster is not None:
+        if worker is not None:
+            # A worker serves as part of the node or not at all: until the workers have
+            # formed their cluster, it could route nothing to the others.
+            await cluster.wait_member()
         # A node that comes back answers its first subscribes with the cluster's retained set.
         await cluster.wait_retained()
     await listener.start_serving()
@@ -323,6 +345,9 @@ async def run_server(
 
     addresses = ", ".join(format_address(*bound) for _, bound in listener.addresses())
     logger.info("fastbroker %s listening on %s", __version__, addresses)
+    if worker is not None:
+        os.write(worker.ready_fd, b"1")
+        os.close(worker.ready_fd)
 
     await stop_requested.wait()
     logger.info("shutting down")

@@ -597,7 +597,8 @@ class ClusterNode:
         self.transport.send(target, JOIN, {"node": self.node_id, "address": self.advertise})
 
     def maybe_bootstrap(self, now: int) -> None:
-        if now - self.started_ms < BOOTSTRAP_GRACE_S * 1000:
+        grace_s = BOOTSTRAP_GRACE_S if self.settings.bootstrap_grace else 0
+        if now - self.started_ms < grace_s * 1000:
             return
         # A node given seeds founds nothing while a seed is out of reach: that seed may be
         # the cluster it is meant to join (started later, or restarting).
@@ -1059,6 +1060,11 @@ class ClusterNode:
     def has_cluster_to_join(self) -> bool:
         """A node that is in no map yet but has somewhere to look for a cluster."""
         return not self.map.members and bool(self.seeds or self.discovery is not None)
+
+    async def wait_member(self) -> None:
+        """Until this node is a member of its cluster (a fresh one founds or joins it)."""
+        while not self.is_member():
+            await asyncio.sleep(0.02)
 
     async def wait_retained(self) -> None:
         """Before clients are served: waits until every other member has sent its retained

@@ -1,0 +1,390 @@
+"""One node served by several worker processes ([node] workers, fastbroker.workers): real
+supervisors with real workers on loopback, real clients. Which worker holds a connection is
+read from /proc (the socket's inode among the worker's descriptors)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import rawmqtt
+from brokers import REPO, WORKERS_ENV, BrokerProcess, start_fastbroker, stop_later
+
+from fastbroker import workers
+from fastbroker.config import ConfigError, load_config
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")
+
+
+def start(tmp_path: Path, count: int = 2, **options) -> BrokerProcess:
+    broker = start_fastbroker(tmp_path, workers=count, **options)
+    wait_workers(broker, count)
+    return broker
+
+
+def worker_pids(broker: BrokerProcess) -> list[int]:
+    try:
+        with open(f"/proc/{broker.pid}/task/{broker.pid}/children") as file:
+            return [int(pid) for pid in file.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def wait_workers(broker: BrokerProcess, count: int, timeout: float = 10) -> list[int]:
+    """The workers' pids once `count` of them serve (the supervisor logs it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = worker_pids(broker)
+        if len(pids) == count and broker.stderr_text().count("workers serving") >= 1:
+            return pids
+        time.sleep(0.05)
+    raise AssertionError(f"{count} workers not serving:\n{broker.stderr_text()}")
+
+
+def socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def holder(broker: BrokerProcess, client: socket.socket, timeout: float = 5) -> int:
+    """The pid of the worker that holds `client`'s connection (once one has accepted it)."""
+    local_port = client.getsockname()[1]
+    wanted = (f":{broker.port:04X}", f":{local_port:04X}")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open("/proc/net/tcp") as file:
+            rows = [line.split() for line in file.readlines()[1:]]
+        inodes = {row[9] for row in rows if (row[1][-5:], row[2][-5:]) == wanted}
+        for pid in worker_pids(broker):
+            if inodes & socket_inodes(pid):
+                return pid
+        time.sleep(0.01)
+    raise AssertionError(f"no worker holds the connection from port {local_port}")
+
+
+def connect(broker: BrokerProcess, client_id: str, **options) -> tuple[socket.socket, bool]:
+    """A connected client and its CONNACK's session present flag."""
+    sock = socket.create_connection(broker.address, timeout=5)
+    sock.sendall(rawmqtt.connect(client_id, **options))
+    connack = rawmqtt.parse_connack(rawmqtt.read_packet(sock, 5))
+    assert connack.reason == 0, connack
+    return sock, connack.session_present
+
+
+def reconnect(broker: BrokerProcess, client_id: str, **options) -> tuple[socket.socket, bool]:
+    """As a client does after its broker went away: tries again while the broker answers
+    0x03 (server unavailable)."""
+    deadline = time.monotonic() + 15
+    while True:
+        sock = socket.create_connection(broker.address, timeout=5)
+        sock.sendall(rawmqtt.connect(client_id, **options))
+        connack = rawmqtt.parse_connack(rawmqtt.read_packet(sock, 5))
+        if connack.reason == 0:
+            return sock, connack.session_present
+        sock.close()
+        assert connack.reason == 3 and time.monotonic() < deadline, connack
+        time.sleep(0.2)
+
+
+def connect_on(broker: BrokerProcess, client_id: str, pid: int, **options) -> socket.socket:
+    """A client whose connection lands on worker `pid` (the kernel picks the worker by the
+    connection's ports: tried again with new ones until it does)."""
+    for _ in range(200):
+        probe = socket.create_connection(broker.address, timeout=5)
+        if holder(broker, probe) != pid:
+            probe.close()
+            continue
+        probe.sendall(rawmqtt.connect(client_id, **options))
+        connack = rawmqtt.parse_connack(rawmqtt.read_packet(probe, 5))
+        assert connack.reason == 0, connack
+        return probe
+    raise AssertionError(f"no connection landed on worker {pid}")
+
+
+def read_publishes(sock: socket.socket, count: int, timeout: float = 10) -> list[bytes]:
+    """`count` PUBLISH payloads, each QoS 1 one acknowledged."""
+    payloads = []
+    deadline = time.monotonic() + timeout
+    while len(payloads) < count:
+        packet = rawmqtt.read_packet(sock, max(0.1, deadline - time.monotonic()))
+        assert packet.name == "PUBLISH", packet
+        publish = rawmqtt.parse_publish(packet)
+        if publish.packet_id:
+            sock.sendall(rawmqtt.puback(publish.packet_id))
+        payloads.append(publish.payload)
+    return payloads
+
+
+@pytest.mark.timeout(60)
+def test_connections_spread_over_the_workers_and_publishes_reach_every_one(tmp_path):
+    broker = start(tmp_path)
+    try:
+        pids = worker_pids(broker)
+        subs = [connect(broker, f"sub{i}")[0] for i in range(16)]
+        for sub in subs:
+            sub.sendall(rawmqtt.subscribe(1, [("t/#", 1)]))
+            assert rawmqtt.read_packet(sub, 5).name == "SUBACK"
+        held = [holder(broker, sub) for sub in subs]
+        # 16 connections all on one of two workers: 1 in 32,768 with the kernel's hash.
+        assert set(held) == set(pids), held
+        # A publisher on each worker: every subscriber gets both, in each one's order.
+        publishers = [connect_on(broker, f"pub{i}", pid) for i, pid in enumerate(pids)]
+        for i, pub in enumerate(publishers):
+            for n in range(50):
+                pub.sendall(rawmqtt.publish(f"t/{i}", b"%d-%d" % (i, n), qos=1, packet_id=n + 1))
+            assert {rawmqtt.read_packet(pub, 5).name for _ in range(50)} == {"PUBACK"}
+        for sub in subs:
+            got = read_publishes(sub, 100)
+            for i in range(2):
+                assert [p for p in got if p.startswith(b"%d-" % i)] == [
+                    b"%d-%d" % (i, n) for n in range(50)
+                ]
+        # A retained message set on one worker is answered by the other.
+        publishers[0].sendall(rawmqtt.publish("r/x", b"kept", retain=True))
+        time.sleep(0.3)
+        late = connect_on(broker, "late", pids[1])
+        late.sendall(rawmqtt.subscribe(1, [("r/#", 0)]))
+        assert rawmqtt.read_packet(late, 5).name == "SUBACK"
+        assert rawmqtt.parse_publish(rawmqtt.read_packet(late, 5)).payload == b"kept"
+    finally:
+        stop_later(broker)
+
+
+@pytest.mark.timeout(60)
+def test_a_persistent_session_resumes_on_the_other_worker(tmp_path):
+    broker = start(tmp_path)
+    try:
+        first, second = worker_pids(broker)
+        options = {"clean": False}
+        sub = connect_on(broker, "device", first, **options)
+        sub.sendall(rawmqtt.subscribe(1, [("cmd/#", 1)]))
+        assert rawmqtt.read_packet(sub, 5).name == "SUBACK"
+        sub.sendall(rawmqtt.disconnect())
+        sub.close()
+        pub = connect_on(broker, "pub", second)
+        for n in range(100):
+            pub.sendall(rawmqtt.publish("cmd/x", b"%d" % n, qos=1, packet_id=n + 1))
+        assert {rawmqtt.read_packet(pub, 5).name for _ in range(100)} == {"PUBACK"}
+        back = connect_on(broker, "device", second, **options)
+        assert read_publishes(back, 100) == [b"%d" % n for n in range(100)]
+        back.sendall(rawmqtt.disconnect())
+        back.close()
+        # And back again: the subscription moved with the session.
+        again = connect_on(broker, "device", first, **options)
+        pub.sendall(rawmqtt.publish("cmd/y", b"later", qos=1, packet_id=200))
+        assert rawmqtt.read_packet(pub, 5).name == "PUBACK"
+        assert read_publishes(again, 1) == [b"later"]
+    finally:
+        stop_later(broker)
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_worker_is_restarted_and_nothing_acknowledged_is_lost(tmp_path):
+    broker = start(tmp_path)
+    try:
+        first, second = worker_pids(broker)
+        options = {"clean": False}
+        sub = connect_on(broker, "keeper", first, **options)
+        sub.sendall(rawmqtt.subscribe(1, [("s/#", 1)]))
+        assert rawmqtt.read_packet(sub, 5).name == "SUBACK"
+        sub.sendall(rawmqtt.disconnect())
+        sub.close()
+        pub = connect_on(broker, "pub", second)
+        acked: set[int] = set()
+        pub.settimeout(0.2)
+        sent = 0
+        killed = False
+        # QoS 1 publishes from the survivor to the session whose worker is killed midway
+        # (fewer than the session queue's limit, 1000).
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and sent < 900:
+            pub.sendall(rawmqtt.publish("s/x", b"%d" % sent, qos=1, packet_id=sent % 60000 + 1))
+            sent += 1
+            if sent == 300 and not killed:
+                os.kill(first, signal.SIGKILL)
+                killed = True
+            if sent % 50 == 0:
+                time.sleep(0.01)
+        pub.settimeout(5)
+        while len(acked) < sent:
+            try:
+                packet = rawmqtt.read_packet(pub, 10)
+            except (TimeoutError, ConnectionError):
+                break
+            if packet.name == "PUBACK":
+                acked.add(int.from_bytes(packet.body[:2], "big") - 1)
+        # The survivor kept acknowledging while the session's worker was down (kept for it).
+        assert len(acked) > 600, len(acked)
+        pids = wait_workers(broker, 2)
+        assert first not in pids
+        assert "ended (signal 9): restarting it" in broker.stderr_text()
+        back, present = reconnect(broker, "keeper", **options)
+        assert present
+        got = set()
+        while True:
+            try:
+                packet = rawmqtt.read_packet(back, 3)
+            except TimeoutError:
+                break
+            publish = rawmqtt.parse_publish(packet)
+            back.sendall(rawmqtt.puback(publish.packet_id))
+            got.add(int(publish.payload))
+        missing = sorted(acked - got)
+        assert not missing, f"{len(missing)} acknowledged messages lost: {missing[:20]}"
+    finally:
+        stop_later(broker)
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_and_sighup_reach_every_worker_and_none_outlives_its_supervisor(tmp_path):
+    broker = start(tmp_path)
+    pids = worker_pids(broker)
+    os.kill(broker.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 5
+    while broker.stderr_text().count("SIGHUP: reloading files") < 2:
+        assert time.monotonic() < deadline, broker.stderr_text()
+        time.sleep(0.05)
+    assert broker.stop(timeout=15) == 0
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}"), "a worker outlived a SIGTERM"
+    # A supervisor killed outright takes its workers with it.
+    broker = start(tmp_path)
+    pids = worker_pids(broker)
+    broker.proc.kill()
+    broker.proc.wait()
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") and not zombie(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a worker outlived its supervisor"
+        time.sleep(0.05)
+
+
+def zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+STORM = 15_000
+
+
+@pytest.mark.timeout(120)
+def test_a_connect_storm_of_15000_clients_is_served_by_both_workers(tmp_path):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < STORM + 1000:
+        pytest.skip(f"open-file limit {hard} is below {STORM + 1000}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    broker = start(tmp_path)
+    try:
+        pids = worker_pids(broker)
+
+        async def storm() -> list[asyncio.StreamWriter]:
+            gate = asyncio.Semaphore(512)
+            writers = []
+
+            async def one(i: int) -> None:
+                async with gate:
+                    reader, writer = await asyncio.open_connection(*broker.address)
+                    writer.write(rawmqtt.connect(f"storm{i}", keepalive=0))
+                    header = await asyncio.wait_for(reader.readexactly(4), 30)
+                    assert header[0] == 0x20 and header[3] == 0, header
+                    writers.append(writer)
+
+            await asyncio.gather(*(one(i) for i in range(STORM)))
+            return writers
+
+        loop = asyncio.new_event_loop()
+        try:
+            writers = loop.run_until_complete(storm())
+            counts = {pid: len(socket_inodes(pid)) for pid in pids}
+            # Each worker holds a share (its own sockets besides: listeners, links, store).
+            assert all(count > STORM // 4 for count in counts.values()), counts
+            for writer in writers:
+                writer.transport.abort()
+            loop.run_until_complete(asyncio.sleep(0))
+        finally:
+            loop.close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        stop_later(broker)
+
+
+# The end-to-end checks run again with two workers: connect, QoS, retained messages, wills,
+# shared subscriptions, TLS and WebSocket.
+E2E_ON_WORKERS = (
+    "tests/test_e2e_connect.py",
+    "tests/test_e2e_qos.py",
+    "tests/test_e2e_retained.py",
+    "tests/test_e2e_will.py",
+    "tests/test_listeners.py",
+    "tests/test_websocket.py",
+)
+
+
+@pytest.mark.timeout(600)
+def test_end_to_end_suites_pass_on_two_workers(tmp_path):
+    env = {**os.environ, WORKERS_ENV: "2"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            *E2E_ON_WORKERS,
+            "--broker=fastbroker",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--timeout=60",
+            "-m",
+            "not single_process",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=580,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+def test_workers_config(tmp_path, monkeypatch):
+    assert load_config(overrides={"node": {"workers": "2"}}).node.workers == 2
+    assert load_config(overrides={"node": {"workers": "auto"}}).node.workers == "auto"
+    with pytest.raises(ConfigError, match="workers"):
+        load_config(overrides={"node": {"workers": 0}})
+    with pytest.raises(ConfigError, match="not supported yet on a cluster node"):
+        load_config(overrides={"node": {"workers": 2}, "cluster": {"node_id": "n1"}})
+    # auto: the affinity mask, capped by the cgroup's quota (rounded up).
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert workers.cgroup_cpu_quota(str(tmp_path)) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert workers.cgroup_cpu_quota(str(tmp_path)) is None
+    monkeypatch.setattr(workers, "cgroup_cpu_quota", lambda: 1.5)
+    assert workers.usable_cores() == 2
+    monkeypatch.setattr(workers, "cgroup_cpu_quota", lambda: None)
+    assert workers.usable_cores() == 4
+
+
+def test_the_data_directory_keeps_its_workers_link_ports(tmp_path):
+    ports = workers.link_ports(tmp_path, 2)
+    assert workers.link_ports(tmp_path, 2) == ports
+    assert workers.link_ports(tmp_path, 3)[:2] == ports
+    with pytest.raises(ConfigError, match="holds the data of 3 workers"):
+        workers.link_ports(tmp_path, 2)
