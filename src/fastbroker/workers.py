@@ -259,7 +259,8 @@ class Supervisor:
                 os._exit(code)
         os.close(write_fd)
         os.set_blocking(read_fd, False)
-        worker.pid, worker.started, worker.ready_fd, worker.ready = pid, time.monotonic(), read_fd, False
+        worker.pid, worker.started = pid, time.monotonic()
+        worker.ready_fd, worker.ready = read_fd, False
 
     def supervise(self) -> None:
         while True:
