@@ -1010,14 +1010,31 @@ def free_port() -> int:
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def proc_cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a process (all its threads), in seconds."""
+def child_pids(pid: int) -> list[int]:
+    """A process's children (a fastbroker supervisor's workers)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def own_cpu_seconds(pid: int) -> float | None:
+    """utime + stime of one process (all its threads), in seconds."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             data = f.read()
     except OSError:
         return None
     return parse_proc_stat_cpu(data)
+
+
+def proc_cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a process and its children (a broker's workers), in seconds."""
+    own = own_cpu_seconds(pid)
+    if own is None:
+        return None
+    return own + sum(own_cpu_seconds(child) or 0.0 for child in child_pids(pid))
 
 
 def parse_proc_stat_cpu(data: str) -> float:
@@ -1028,12 +1045,18 @@ def parse_proc_stat_cpu(data: str) -> float:
 
 
 def proc_status_kb(pid: int, key: str = "VmRSS") -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            text = f.read()
-    except OSError:
-        return None
-    return parse_proc_status_kb(text, key)
+    """A /proc status figure of a process, summed with its children's (a broker's workers)."""
+    total = None
+    for one in (pid, *child_pids(pid)):
+        try:
+            with open(f"/proc/{one}/status") as f:
+                text = f.read()
+        except OSError:
+            continue
+        value = parse_proc_status_kb(text, key)
+        if value is not None:
+            total = (total or 0) + value
+    return total
 
 
 def parse_proc_status_kb(text: str, key: str) -> int | None:
@@ -1081,6 +1104,10 @@ class Broker:
             return (self.workdir / "stderr.log").read_text(errors="replace")[-limit:]
         except OSError:
             return ""
+
+
+# fastbroker's `--workers` (bench/run.py --workers, bench/workers.py); 1: one process.
+FASTBROKER_WORKERS = 1
 
 
 def fastbroker_command() -> list[str]:
@@ -1143,6 +1170,8 @@ def broker_command(
             fastbroker_config_text(port, str(workdir / "data"), fsync, security, assets)
         )
         cmd = [*fastbroker_command(), "run"]
+        if FASTBROKER_WORKERS != 1:
+            cmd += ["--workers", str(FASTBROKER_WORKERS)]
         if security is None or security.transport == "tcp":
             cmd += ["--host", HOST, "--port", str(port)]
         return [*cmd, "--config", str(config)]
@@ -1164,6 +1193,13 @@ def broker_command(
         )
         return [exe, "-c", str(config)]
     raise ValueError(f"unknown broker {kind!r}")
+
+
+def listening_sockets(port: int) -> int:
+    """TCP sockets listening on `port` (IPv4)."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return sum(1 for row in rows if row[1].endswith(f":{port:04X}") and row[3] == "0A")
 
 
 def launch(kind: str, port: int, workdir: Path, cmd: Sequence[str]) -> Broker:
@@ -1193,9 +1229,15 @@ def start_broker(
                 break
             try:
                 with socket.create_connection((HOST, port), timeout=0.5):
-                    return broker
+                    pass
             except OSError:
                 time.sleep(0.05)
+                continue
+            # Workers: the first one listening is not all of them serving (each listens on
+            # its own socket of the port).
+            if kind != "fastbroker" or listening_sockets(port) >= FASTBROKER_WORKERS:
+                return broker
+            time.sleep(0.05)
         stop_process(proc)
         last_error = (
             f"{kind} did not start on {HOST}:{port} (exit code {proc.returncode}): "
@@ -1478,6 +1520,8 @@ def measure(
             args = [a.replace("{tls_ca}", ca) for a in args]
         m.params["loadgen_args"] = args
         samples: list[tuple[float, float]] = []
+        # Each worker's, when the broker has workers.
+        worker_samples: dict[int, list[tuple[float, float]]] = {}
         rss_last: list[int] = []
         rss_hold: list[int] = []
         rss_before = proc_status_kb(broker.pid) if broker else None
@@ -1490,6 +1534,10 @@ def measure(
             cpu = proc_cpu_seconds(broker.pid)
             if cpu is not None:
                 samples.append((now, cpu))
+            for child in child_pids(broker.pid):
+                child_cpu = own_cpu_seconds(child)
+                if child_cpu is not None:
+                    worker_samples.setdefault(child, []).append((now, child_cpu))
             rss = proc_status_kb(broker.pid)
             if rss is not None:
                 rss_last[:] = [rss]
@@ -1536,6 +1584,10 @@ def measure(
                 window = measured_window(run, settings.warmup, settings.duration)
                 m.broker_cpu_percent = cpu_percent(samples, *window)
                 m.cpu_window_s = [round(t - run.start, 2) for t in window]
+            if worker_samples:
+                m.params["worker_cpu_percent"] = [
+                    cpu_percent(series, *window) for series in worker_samples.values()
+                ]
         missing = [
             f.key
             for f in scenario.figures
@@ -2279,6 +2331,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--scenarios, the durable-storage scenarios are left out (what CI runs)",
     )
     p.add_argument("--brokers", default=",".join(BROKERS), help="subset of brokers, for debugging")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="fastbroker's --workers (default 1; bench/workers.py compares 1 and 2 in one run)",
+    )
     p.add_argument("--loadgen", help="loadgen binary (default: build bench/loadgen with cargo)")
     p.add_argument("--summary-out", type=Path, help="also copy the summary JSON here")
     ns = p.parse_args(argv)
@@ -2303,6 +2361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns.scenarios,
         extra=persistent_scenarios(settings) + security_scenarios(settings),
     )
+    global FASTBROKER_WORKERS
+    FASTBROKER_WORKERS = ns.workers
     signal.signal(signal.SIGTERM, _sigterm)
     raise_nofile_limit()
     loadgen = find_loadgen(ns.loadgen)

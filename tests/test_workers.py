@@ -334,6 +334,8 @@ E2E_ON_WORKERS = (
     "tests/test_e2e_will.py",
     "tests/test_listeners.py",
     "tests/test_websocket.py",
+    "tests/test_e2e_subscribe.py::test_shared_subscription_distributes_messages",
+    "tests/test_e2e_subscribe.py::test_invalid_shared_subscription",
 )
 
 
@@ -351,8 +353,6 @@ def test_end_to_end_suites_pass_on_two_workers(tmp_path):
             "-p",
             "no:cacheprovider",
             "--timeout=60",
-            "-m",
-            "not single_process",
         ],
         cwd=REPO,
         env=env,
