@@ -5,6 +5,7 @@ read from /proc (the socket's inode among the worker's descriptors)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import resource
 import signal
@@ -12,11 +13,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import rawmqtt
-from brokers import REPO, WORKERS_ENV, BrokerProcess, start_fastbroker, stop_later
+from brokers import REPO, WORKERS_ENV, BrokerProcess, free_port, start_fastbroker, stop_later
 
 from fastbroker import workers
 from fastbroker.config import ConfigError, load_config
@@ -388,3 +390,67 @@ def test_the_data_directory_keeps_its_workers_link_ports(tmp_path):
     assert workers.link_ports(tmp_path, 3)[:2] == ports
     with pytest.raises(ConfigError, match="holds the data of 3 workers"):
         workers.link_ports(tmp_path, 2)
+
+
+def test_each_worker_gets_its_part_of_the_node_and_its_own_directory(tmp_path):
+    config = load_config(
+        overrides={
+            "node": {"workers": 3},
+            "storage": {"data_dir": str(tmp_path)},
+            "limits": {
+                "max_connections": 1000,
+                "max_connection_rate": 300,
+                "memory_high_water_mb": 3000,
+            },
+            "admin": {"enabled": True},
+        }
+    )
+    ports = [7001, 7002, 7003]
+    first, second = (workers.worker_config(config, i, ports, "s") for i in range(2))
+    assert (first.limits.max_connections, first.limits.max_connection_rate) == (334, 100)
+    assert first.limits.memory_high_water_mb == 1000
+    assert first.admin.enabled and not second.admin.enabled
+    assert second.sys.interval == 0
+    assert second.storage.data_dir == str(tmp_path / "workers" / "w2")
+    assert second.cluster.join == ("127.0.0.1:7001", "127.0.0.1:7003")
+    assert second.cluster.replication_factor == 1 and not second.cluster.link_compression
+
+
+@pytest.mark.timeout(60)
+def test_the_admin_endpoint_shows_the_node_with_a_line_per_worker(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    admin = free_port()
+    broker = start(tmp_path, extra_toml=f"[admin]\nenabled = true\nport = {admin}")
+    try:
+        pids = worker_pids(broker)
+        clients = [connect_on(broker, f"c{i}", pid) for i, pid in enumerate(pids * 2)]
+        url = f"http://127.0.0.1:{admin}"
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        connected = families["fastbroker_clients_connected"].samples
+        assert sorted(s.labels["worker"] for s in connected) == ["w1", "w2"]
+        assert sum(s.value for s in connected) == len(clients)
+        with urllib.request.urlopen(f"{url}/cluster/status", timeout=5) as response:
+            status = json.load(response)
+        assert sorted(m["node_id"] for m in status["members"]) == ["w1", "w2"]
+    finally:
+        stop_later(broker)
+
+
+def test_merged_metrics_keep_each_family_in_one_piece():
+    head = b"# HELP a_total A\n# TYPE a_total counter\n"
+    first = head + b'a_total 1.0\n# HELP b B\n# TYPE b gauge\nb{x="1"} 2.0\n'
+    second = head + b"a_total 3.0\n# HELP b B\n# TYPE b gauge\nb{} 4.0\n"
+    merged = workers.merge_metrics([("w1", first), ("w2", second)]).decode().splitlines()
+    assert merged == [
+        "# HELP a_total A",
+        "# TYPE a_total counter",
+        'a_total{worker="w1"} 1.0',
+        'a_total{worker="w2"} 3.0',
+        "# HELP b B",
+        "# TYPE b gauge",
+        'b{worker="w1",x="1"} 2.0',
+        'b{worker="w2"} 4.0',
+    ]

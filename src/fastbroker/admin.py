@@ -76,6 +76,10 @@ class AdminServer:
         bound = self.server.sockets[0].getsockname()
         return bound[0], bound[1]
 
+    async def start_unix(self, path: str) -> None:
+        """On a Unix socket (a worker's, for the first worker only: fastbroker.workers)."""
+        self.server = await asyncio.start_unix_server(self.serve, path, limit=MAX_HEADER)
+
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
@@ -209,7 +213,7 @@ def routes(
     fault_injection: bool,
     on_left: Callable[[], None],
     *,
-    metrics: Callable[[], bytes] | None = None,
+    metrics: Callable[[], bytes | Awaitable[bytes]] | None = None,
     metrics_content_type: str = "text/plain; version=0.0.4; charset=utf-8",
     readiness: Readiness | None = None,
     kick: Callable[[str], bool] | None = None,
@@ -234,7 +238,11 @@ def routes(
         if path == "/metrics" and metrics is not None:
             if method != "GET":
                 return 405, {"error": "use GET"}
-            return 200, Raw(metrics_content_type, metrics())
+            document = metrics()
+            if not isinstance(document, bytes):
+                # The node's workers' documents, gathered (fastbroker.workers).
+                document = await document
+            return 200, Raw(metrics_content_type, document)
         if path == "/cluster/status":
             if method != "GET":
                 return 405, {"error": "use GET"}

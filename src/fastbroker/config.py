@@ -117,6 +117,11 @@ class NodeConfig:
     # this process may use (affinity mask and cgroup CPU quota). 1: one process, no
     # supervisor (see the README for why 1 is the default).
     workers: int | str = 1
+    # Set by the worker supervisor (fastbroker.workers), never from TOML: the abstract Unix
+    # socket on which this worker serves its /metrics to the first worker, and those of the
+    # other workers, which the first one gathers into the node's /metrics.
+    metrics_socket: str = ""
+    peer_metrics_sockets: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,9 @@ class ClusterConfig:
     # QoS 2 reaches a client that crosses the split once; "both" keeps both sides
     # delivering (such a client may get a QoS 2 message twice).
     split_delivery: str = "majority"
+    # Batches for a node that is down or backed up are zstd-compressed (engine
+    # cluster_compress); off where CPU is scarcer than bandwidth (between workers).
+    link_compression: bool = True
     # Set by the worker supervisor (fastbroker.workers), never from TOML: its seeds are every
     # node there is, so a fresh one need not wait to hear of a running cluster first.
     bootstrap_grace: bool = True
@@ -441,6 +449,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
         "ack_replicas": integer(1, 16),
         "server_reference": any_string,
         "split_delivery": one_of("majority", "both"),
+        "link_compression": boolean,
     },
     "admin": {
         "enabled": boolean,

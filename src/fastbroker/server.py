@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import fastbroker_core
@@ -19,7 +20,7 @@ import uvloop
 from fastbroker import __version__
 from fastbroker._connection import DEFAULT_READ_BUDGET, Server, monotonic_ms
 from fastbroker.access_log import open_access_log
-from fastbroker.admin import AdminServer, Readiness, routes
+from fastbroker.admin import AdminServer, Raw, Readiness, routes
 from fastbroker.auth import AuthCoordinator, engine_keys
 from fastbroker.config import DEFAULT_LISTENER_NAME, Config, ConfigError
 from fastbroker.heap import HeapTrimmer
@@ -76,6 +77,7 @@ def engine_config(config: Config) -> dict[str, Any]:
         # A peer down for the failure timeout has its sessions taken over from their copies.
         "cluster_takeover_ms": config.cluster.failure_timeout_ms if config.cluster.node_id else 0,
         "cluster_minority_acts": config.cluster.split_delivery == "both",
+        "cluster_compress": config.cluster.link_compression,
         # auth_required / intercept, only when [auth] is used.
         **engine_keys(config.auth),
     }
@@ -458,7 +460,8 @@ async def start_admin(
     auth: Any = None,
 ) -> AdminServer | None:
     enabled = config.admin.enabled
-    if not (enabled if enabled is not None else cluster is not None):
+    node = config.node
+    if not (enabled if enabled is not None else cluster is not None) and not node.metrics_socket:
         return None
     # Imported here: a broker without the admin endpoint does not load prometheus_client.
     from fastbroker.metrics import CONTENT_TYPE, BrokerCollector, BrokerMetrics
@@ -484,11 +487,19 @@ async def start_admin(
         auth=auth,
         version=__version__,
     )
+    render: Any = BrokerMetrics(collector).render
+    if node.metrics_socket:
+        # A worker but the first: its /metrics only, for the first to gather.
+        return await start_worker_metrics(node.metrics_socket, render, CONTENT_TYPE)
+    if node.peer_metrics_sockets:
+        from fastbroker.workers import node_metrics
+
+        render = node_metrics(render, node.peer_metrics_sockets)
     handle = routes(
         cluster,
         config.cluster.fault_injection,
         leave_done,
-        metrics=BrokerMetrics(collector).render,
+        metrics=render,
         metrics_content_type=CONTENT_TYPE,
         readiness=readiness,
         kick=kick,
@@ -503,6 +514,25 @@ async def start_admin(
         reason = os_error_reason(error)
         raise StartupError(f"cannot listen for admin on {address}: {reason}") from None
     logger.info("admin endpoint on http://%s/", format_address(*bound[:2]))
+    return admin
+
+
+async def start_worker_metrics(
+    path: str, render: Callable[[], bytes], content_type: str
+) -> AdminServer:
+    """A worker's own /metrics on its socket (fastbroker.workers), nothing else."""
+
+    async def handle(method: str, route: str, body: bytes) -> tuple[int, Any]:
+        if method == "GET" and route == "/metrics":
+            return 200, Raw(content_type, render())
+        return 404, {"error": "not found"}
+
+    admin = AdminServer(handle)
+    try:
+        await admin.start_unix(path)
+    except OSError as error:
+        reason = os_error_reason(error)
+        raise StartupError(f"cannot serve this worker's metrics: {reason}") from None
     return admin
 
 

@@ -20,6 +20,7 @@ The supervisor must not start threads: it forks again whenever a worker is resta
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import dataclasses
 import errno
@@ -32,10 +33,11 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from fastbroker.config import Config, ConfigError
+from fastbroker.overload import high_water_bytes
 
 logger = logging.getLogger("fastbroker.workers")
 
@@ -146,7 +148,15 @@ def worker_name(index: int) -> str:
     return f"w{index + 1}"
 
 
-def worker_config(config: Config, index: int, ports: list[int], secret: str) -> Config:
+def metrics_socket(run_id: str, index: int) -> str:
+    """Worker `index`'s /metrics socket for the first worker: in Linux's abstract namespace
+    (no file to clean up, no path length limit), named per supervisor run."""
+    return f"\0fastbroker-{run_id}-{worker_name(index)}"
+
+
+def worker_config(
+    config: Config, index: int, ports: list[int], secret: str, run_id: str = ""
+) -> Config:
     """Worker `index`'s config: the node's, in its own data directory, linked to the others."""
     own = f"{LINK_HOST}:{ports[index]}"
     first = index == 0
@@ -167,15 +177,38 @@ def worker_config(config: Config, index: int, ports: list[int], secret: str) -> 
         heartbeat_ms=WORKER_HEARTBEAT_MS,
         election_timeout_ms=WORKER_ELECTION_TIMEOUT_MS,
         failure_timeout_ms=WORKER_FAILURE_TIMEOUT_MS,
-        # A worker is restarted at once: its place is kept for it, as for a planned restart.
         restart_timeout_ms=0,
+        # Loopback has bandwidth to spare: compressing would only cost CPU.
+        link_compression=False,
     )
     admin = dataclasses.replace(config.admin, enabled=bool(config.admin.enabled) and first)
+    node = config.node
+    if config.admin.enabled and run_id:
+        # The first worker serves the node's /metrics, gathered from every worker.
+        if first:
+            peers = tuple(metrics_socket(run_id, i) for i in range(1, len(ports)))
+            node = dataclasses.replace(node, peer_metrics_sockets=peers)
+        else:
+            node = dataclasses.replace(node, metrics_socket=metrics_socket(run_id, index))
+    limits = config.limits
+    share = len(ports)
+    # The node's limits, shared out: each worker enforces its part.
+    memory = limits.memory_high_water_mb
+    if memory == "auto":
+        memory = high_water_bytes("auto") >> 20
+    limits = dataclasses.replace(
+        limits,
+        max_connections=-(-limits.max_connections // share),
+        max_connection_rate=limits.max_connection_rate / share,
+        memory_high_water_mb=max(1, int(memory) // share) if memory else 0,
+    )
     data_dir = os.path.join(config.storage.data_dir, WORKERS_DIR, worker_name(index))
     return dataclasses.replace(
         config,
         cluster=cluster,
         admin=admin,
+        node=node,
+        limits=limits,
         storage=dataclasses.replace(config.storage, data_dir=data_dir),
         # One $SYS publisher for the node.
         sys=config.sys if first else dataclasses.replace(config.sys, interval=0),
@@ -207,6 +240,7 @@ class Supervisor:
         self.run_worker = run_worker
         self.workers = [Worker(i) for i in range(count)]
         self.secret = secrets.token_hex(16)
+        self.run_id = secrets.token_hex(6)
         self.ports: list[int] = []
         self.stopping = False
         self.stop_deadline = math.inf
@@ -248,7 +282,9 @@ class Supervisor:
                 libc = ctypes.CDLL(None, use_errno=True)
                 libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
                 if os.getppid() == parent:
-                    config = worker_config(self.config, worker.index, self.ports, self.secret)
+                    config = worker_config(
+                        self.config, worker.index, self.ports, self.secret, self.run_id
+                    )
                     code = self.run_worker(config, WorkerSeat(worker_name(worker.index), write_fd))
             except SystemExit as exit:
                 code = exit.code if isinstance(exit.code, int) else 1
@@ -350,6 +386,89 @@ class Supervisor:
         if quick:
             time.sleep(min(0.1 * 2**worker.quick_deaths, 2.0))
         self.start(worker)
+
+
+# How long the first worker waits for another's /metrics; one that does not answer (it is
+# restarting) is left out of that scrape.
+METRICS_TIMEOUT_S = 2.0
+
+
+async def fetch_metrics(path: str, timeout: float = METRICS_TIMEOUT_S) -> bytes | None:
+    """A worker's own /metrics document, from its socket; None if it does not answer."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        # Connected by hand: uvloop's open_unix_connection takes no abstract names.
+        await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, path), timeout)
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        try:
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: worker\r\n\r\n")
+            data = await asyncio.wait_for(reader.read(), timeout)
+        finally:
+            writer.close()
+    except (OSError, TimeoutError):
+        sock.close()
+        return None
+    head, _, body = data.partition(b"\r\n\r\n")
+    return body if head.startswith(b"HTTP/1.1 200") else None
+
+
+def node_metrics(
+    own: Callable[[], bytes], peers: tuple[str, ...]
+) -> Callable[[], Awaitable[bytes]]:
+    """The first worker's /metrics: its own document and the other workers', merged."""
+
+    async def render() -> bytes:
+        documents = [(worker_name(0), own())]
+        fetched = await asyncio.gather(*(fetch_metrics(path) for path in peers))
+        for path, document in zip(peers, fetched, strict=True):
+            if document is not None:
+                documents.append((path.rsplit("-", 1)[1], document))
+        return merge_metrics(documents)
+
+    return render
+
+
+def merge_metrics(documents: list[tuple[str, bytes]]) -> bytes:
+    """One Prometheus text document from each worker's: every sample gets a `worker` label,
+    and each metric family (its HELP and TYPE lines, then every worker's samples) stays in
+    one piece, as the format requires."""
+    headers: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    for worker, document in documents:
+        family = ""
+        for line in document.decode().splitlines():
+            if not line:
+                continue
+            if line.startswith("#"):
+                parts = line.split(None, 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    family = parts[2]
+                    seen = headers.setdefault(family, [])
+                    samples.setdefault(family, [])
+                    if not any(h.split(None, 2)[1] == parts[1] for h in seen):
+                        seen.append(line)
+                continue
+            headers.setdefault(family, [])
+            samples.setdefault(family, []).append(with_worker_label(line, worker))
+    out = []
+    for family, lines in headers.items():
+        out += lines
+        out += samples[family]
+    return ("\n".join(out) + "\n").encode()
+
+
+def with_worker_label(sample: str, worker: str) -> str:
+    """`name{a="b"} 1` -> `name{worker="w2",a="b"} 1`; `name 1` -> `name{worker="w2"} 1`."""
+    ends = [i for i in (sample.find("{"), sample.find(" ")) if i >= 0]
+    if not ends:
+        return sample
+    end = min(ends)
+    label = f'worker="{worker}"'
+    if sample[end] == "{":
+        rest = sample[end + 1 :]
+        return f"{sample[: end + 1]}{label}{'' if rest.startswith('}') else ','}{rest}"
+    return f"{sample[:end]}{{{label}}}{sample[end:]}"
 
 
 def run_workers(config: Config, run_worker: Callable[[Config, object], int]) -> int:

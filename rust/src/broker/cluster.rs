@@ -227,6 +227,8 @@ struct Peer {
     spilled_bytes: usize,
     /// The next batch to send is spilled: its records are to be read back.
     load_due: bool,
+    /// Batches may be compressed (the engine's `cluster_compress`).
+    compress: bool,
     stats: PeerStats,
 }
 
@@ -271,6 +273,7 @@ impl Peer {
             dead_records: Vec::new(),
             spilled_bytes: 0,
             load_due: false,
+            compress: true,
             stats: PeerStats::default(),
         }
     }
@@ -330,7 +333,8 @@ impl Peer {
         // Compressed only when the link is down (kept on disk) or backed up: then bandwidth
         // is short and zstd pays; on a link that keeps up it would only cost CPU on both
         // nodes.
-        let compress = !self.up || !self.writable || self.out.iter().any(|o| !o.sent);
+        let compress =
+            self.compress && (!self.up || !self.writable || self.out.iter().any(|o| !o.sent));
         let frame = self.items.finish_with(
             Header {
                 epoch,
@@ -1499,6 +1503,7 @@ impl Engine {
             return i as PeerId;
         }
         let mut peer = Peer::new(Arc::from(name));
+        peer.compress = self.cfg.cluster_compress;
         if let Some(out) = c.restored.remove(name) {
             // Kept for it by an earlier run of this node, while its link was down.
             peer.unacked_bytes = out.iter().map(|o| o.len).sum();
@@ -2767,6 +2772,27 @@ mod uncopied_tests {
         p.protocol = 3;
         p.acknowledged(7, 1, 7, &mut Vec::new());
         assert!(p.uncopied.is_empty());
+    }
+
+    #[test]
+    fn batches_for_a_down_peer_are_compressed_unless_compression_is_off() {
+        for compress in [true, false] {
+            let mut p = peer_with([]);
+            p.compress = compress;
+            p.up = false;
+            for _ in 0..64 {
+                p.items.route_add(1, &"a/".repeat(300));
+            }
+            p.seal(7);
+            let frame = &p.out.back().expect("a batch").frame;
+            // 64 items of 600 bytes: far smaller compressed, at least as large if not.
+            assert_eq!(
+                frame.len() < 4096,
+                compress,
+                "compress {compress}: {}",
+                frame.len()
+            );
+        }
     }
 
     #[test]

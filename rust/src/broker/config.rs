@@ -70,6 +70,9 @@ pub struct Config {
     /// copies): QoS 2 may then reach a client that crosses the split twice. Off: only the
     /// side with the majority does (`cluster_authority`).
     pub cluster_minority_acts: bool,
+    /// Batches for a peer that is down or backed up are zstd-compressed. Off for links that
+    /// never lack bandwidth (between the workers of one node), where it would only cost CPU.
+    pub cluster_compress: bool,
 }
 
 impl Default for Config {
@@ -104,6 +107,7 @@ impl Default for Config {
             cluster_ack_replicas: 2,
             cluster_takeover_ms: 0,
             cluster_minority_acts: false,
+            cluster_compress: true,
         }
     }
 }
@@ -184,6 +188,7 @@ impl Config {
                 self.cluster_takeover_ms = int(key, &value, 0, i64::MAX)? as u64
             }
             "cluster_minority_acts" => self.cluster_minority_acts = boolean(key, &value)?,
+            "cluster_compress" => self.cluster_compress = boolean(key, &value)?,
             "version" => match value {
                 Value::Str(s) => self.version = s,
                 _ => return Err(format!("{key} must be a string")),
