@@ -12,6 +12,10 @@ ratio x (1 + tolerance) where lower is better. The machine is shared and noisy, 
 scenarios that fail are run once more (again 3 rounds) and only a failure that the re-run
 confirms fails the gate.
 
+Rows whose id starts with "w2/" are measured with fastbroker run with two workers
+(`bench/run.py --workers 2`), against the same Mosquitto; they are set by hand (an
+--update-baseline run keeps them as they are).
+
 Exit codes: 0 pass, 1 regression (confirmed), 2 the benchmark could not run.
 """
 
@@ -86,8 +90,33 @@ def compare(
     return out
 
 
+def workers_of(row_id: str) -> int:
+    """1, or N for a row measured with N workers ("wN/scenario:figure")."""
+    head = row_id.split("/", 1)[0] if "/" in row_id.split(":", 1)[0] else ""
+    return int(head[1:]) if head.startswith("w") and head[1:].isdigit() else 1
+
+
 def scenario_of(row_id: str) -> str:
-    return row_id.split(":", 1)[0]
+    return row_id.split(":", 1)[0].rsplit("/", 1)[-1]
+
+
+def run_groups(
+    results: Path, tag: str, row_ids: Sequence[str], extra: Sequence[str]
+) -> dict[str, dict[str, Any]] | None:
+    """Runs the scenarios of `row_ids`, once per number of workers they need; the measured
+    rows by id (prefixed "wN/" for N workers)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for workers in sorted({workers_of(rid) for rid in row_ids}):
+        scenarios = list(
+            dict.fromkeys(scenario_of(rid) for rid in row_ids if workers_of(rid) == workers)
+        )
+        flags = [*extra, "--workers", str(workers)] if workers != 1 else list(extra)
+        summary = run_bench(results, f"{tag}-w{workers}", scenarios, flags)
+        if summary is None:
+            return None
+        prefix = f"w{workers}/" if workers != 1 else ""
+        rows.update({prefix + rid: row for rid, row in measured_ratios(summary).items()})
+    return rows
 
 
 def fmt_ratio_spread(row: dict[str, Any] | None) -> str:
@@ -230,6 +259,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             summaries.append(summary)
         command = ["python", "ci/perf_gate.py", "--update-baseline", "--runs", str(ns.runs)]
         data = new_baseline(summaries, baseline, command)
+        # The rows measured with workers are set by hand (see the docstring): kept.
+        for rid, entry in (baseline or {}).get("ratios", {}).items():
+            if workers_of(rid) != 1:
+                data["ratios"][rid] = entry
         ns.baseline.write_text(json.dumps(data, indent=2) + "\n")
         print(f"\nperf gate: wrote {ns.baseline} ({len(data['ratios'])} ratios)")
         for rid, e in data["ratios"].items():
@@ -245,11 +278,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     assert baseline is not None
     gated = [rid for rid, e in baseline["ratios"].items() if e.get("gate", True)]
     # Only the scenarios the baseline checks (bench/run.py keeps its own order).
-    scenarios = list(dict.fromkeys(scenario_of(rid) for rid in gated))
-    summary = run_bench(ns.results, "run", scenarios, extra)
-    if summary is None:
+    measured = run_groups(ns.results, "run", gated, extra)
+    if measured is None:
         return 2
-    rows = measured_ratios(summary)
+    rows = measured
 
     assert baseline is not None
     results = compare(baseline, rows)
@@ -258,8 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if failing and not ns.no_confirm:
         again = list(dict.fromkeys(scenario_of(rid) for rid in failing))
         print(f"\nperf gate: {', '.join(failing)} failed; re-running {', '.join(again)} once")
-        summary2 = run_bench(ns.results, "confirm", again, extra)
-        rows2 = measured_ratios(summary2) if summary2 else {}
+        rows2 = run_groups(ns.results, "confirm", failing, extra) or {}
         confirmed = []
         for i, (rid, entry, measured, status) in enumerate(results):
             if rid not in failing:

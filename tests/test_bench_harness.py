@@ -281,6 +281,13 @@ def test_gate_limits():
     assert gate.check_row(down, 0.8) == "FAIL"
 
 
+def test_gate_rows_measured_with_workers():
+    assert gate.workers_of("pairs:delivered_per_s") == 1
+    assert gate.workers_of("w2/pairs:delivered_per_s") == 2
+    assert gate.scenario_of("w2/pairs:delivered_per_s") == "pairs"
+    assert gate.scenario_of("connections:rss_per_conn_bytes") == "connections"
+
+
 def test_gate_compare_and_new_baseline():
     summary = {
         "run_id": "r",

@@ -280,6 +280,26 @@ def test_sigterm_and_sighup_reach_every_worker_and_none_outlives_its_supervisor(
         time.sleep(0.05)
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_that_keeps_dying_stops_the_node_instead_of_looping(tmp_path):
+    broker = start(tmp_path)
+    try:
+        spared = worker_pids(broker)[0]
+        killed: set[int] = set()
+        deadline = time.monotonic() + 30
+        # The other worker, killed as soon as it is (re)started.
+        while broker.alive() and time.monotonic() < deadline:
+            for pid in set(worker_pids(broker)) - killed - {spared}:
+                killed.add(pid)
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
+        assert broker.proc.wait(10) == 1
+        assert len(killed) == workers.CRASH_LOOP_LIMIT
+        assert "times within 10 s of its start: stopping" in broker.stderr_text()
+    finally:
+        stop_later(broker)
+
+
 def zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as file:
