@@ -118,6 +118,15 @@ def connect_on(broker: BrokerProcess, client_id: str, pid: int, **options) -> so
     raise AssertionError(f"no connection landed on worker {pid}")
 
 
+def leave_subscribed(broker: BrokerProcess, client_id: str, pid: int, topic: str) -> None:
+    """A persistent session on worker `pid`, subscribed to `topic` (QoS 1), left offline."""
+    sub = connect_on(broker, client_id, pid, clean=False)
+    sub.sendall(rawmqtt.subscribe(1, [(topic, 1)]))
+    assert rawmqtt.read_packet(sub, 5).name == "SUBACK"
+    sub.sendall(rawmqtt.disconnect())
+    sub.close()
+
+
 def read_publishes(sock: socket.socket, count: int, timeout: float = 10) -> list[bytes]:
     """`count` PUBLISH payloads, each QoS 1 one acknowledged."""
     payloads = []
@@ -173,11 +182,7 @@ def test_a_persistent_session_resumes_on_the_other_worker(tmp_path):
     try:
         first, second = worker_pids(broker)
         options = {"clean": False}
-        sub = connect_on(broker, "device", first, **options)
-        sub.sendall(rawmqtt.subscribe(1, [("cmd/#", 1)]))
-        assert rawmqtt.read_packet(sub, 5).name == "SUBACK"
-        sub.sendall(rawmqtt.disconnect())
-        sub.close()
+        leave_subscribed(broker, "device", first, "cmd/#")
         pub = connect_on(broker, "pub", second)
         for n in range(100):
             pub.sendall(rawmqtt.publish("cmd/x", b"%d" % n, qos=1, packet_id=n + 1))
@@ -203,11 +208,7 @@ def test_a_killed_worker_is_restarted_and_nothing_acknowledged_is_lost(tmp_path,
         first, second = worker_pids(broker)
         victim = first if killed == "session's worker" else second
         options = {"clean": False}
-        sub = connect_on(broker, "keeper", first, **options)
-        sub.sendall(rawmqtt.subscribe(1, [("s/#", 1)]))
-        assert rawmqtt.read_packet(sub, 5).name == "SUBACK"
-        sub.sendall(rawmqtt.disconnect())
-        sub.close()
+        leave_subscribed(broker, "keeper", first, "s/#")
         pub = connect_on(broker, "pub", second)
         acked: set[int] = set()
         sent = 0
