@@ -393,7 +393,7 @@ def plugin_options(value: Any) -> Mapping[str, Mapping[str, Any]]:
     return MappingProxyType({spec: MappingProxyType(dict(v)) for spec, v in value.items()})
 
 
-def worker_count(value: Any) -> int | str:
+def workers_value(value: Any) -> int | str:
     if value == "auto" or (type(value) is int and 1 <= value <= MAX_WORKERS):
         return value
     if type(value) is str and value.isdigit() and 1 <= int(value) <= MAX_WORKERS:
@@ -423,7 +423,7 @@ SCHEMA: dict[str, dict[str, Check]] = {
     },
     "log": {"level": log_level, "access_log": access_log_target},
     "sys": {"interval": number(0)},
-    "node": {"workers": worker_count},
+    "node": {"workers": workers_value},
     "cluster": {
         "node_id": node_id,
         "listen": address(allow_any_port=True),

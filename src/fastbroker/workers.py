@@ -50,7 +50,10 @@ LINK_HOST = "127.0.0.1"
 # (or stopped), not cut off.
 WORKER_HEARTBEAT_MS = 100
 WORKER_ELECTION_TIMEOUT_MS = 500
-WORKER_FAILURE_TIMEOUT_MS = 3000
+# A dead worker is being restarted: its place in the map is kept this long (a restart
+# that restores a large store takes seconds), so that its partitions do not move away and
+# back. Its sessions have no copies to take over from (one replica) and wait for it anyway.
+WORKER_FAILURE_TIMEOUT_MS = 10_000
 # A worker that dies this soon after its start, this many times in a row, is not restarted
 # again: the whole node stops (exit 1) instead of restarting in a loop.
 CRASH_LOOP_S = 10.0
@@ -104,7 +107,7 @@ def link_ports(directory: Path, count: int) -> list[int]:
         try:
             ports = [int(p) for p in json.loads(path.read_text())["ports"]]
         except (OSError, ValueError, KeyError, TypeError) as error:
-            raise ConfigError(f"{path}: unreadable ({error}); it is rewritten if removed") from None
+            raise ConfigError(f"{path}: unreadable ({error})") from None
     if len(ports) > count:
         raise ConfigError(
             f"[node] workers: the data directory holds the data of {len(ports)} workers; "
@@ -274,6 +277,9 @@ class Supervisor:
         pid = os.fork()
         if pid == 0:
             os.close(read_fd)
+            for other in self.workers:
+                if other.ready_fd >= 0:
+                    os.close(other.ready_fd)
             code = 1
             try:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
