@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -258,6 +259,41 @@ def test_a_killed_worker_is_restarted_and_nothing_acknowledged_is_lost(tmp_path,
         stop_later(broker)
 
 
+@pytest.mark.timeout(90)
+def test_the_node_restarted_whole_keeps_every_workers_sessions_and_queues(tmp_path):
+    broker = start(tmp_path)
+    try:
+        pids = worker_pids(broker)
+        # A persistent session on each worker, offline, with messages queued from both.
+        for i, pid in enumerate(pids):
+            leave_subscribed(broker, f"dev{i}", pid, f"to/{i}")
+        publishers = [connect_on(broker, f"pub{i}", pid) for i, pid in enumerate(pids)]
+        for n in range(200):
+            pub = publishers[n % 2]
+            pub.sendall(rawmqtt.publish(f"to/{n % 4 // 2}", b"%d" % n, qos=1, packet_id=n + 1))
+        for pub in publishers:
+            assert {rawmqtt.read_packet(pub, 5).name for _ in range(100)} == {"PUBACK"}
+            pub.close()
+    finally:
+        assert broker.stop(timeout=20) == 0, broker.stderr_text()
+    # The same port, so the same working and data directory (brokers.start_fastbroker),
+    # started again: each session resumes wherever it lands.
+    again = start_fastbroker(tmp_path, port=broker.port, workers=2)
+    try:
+        assert again.workdir == broker.workdir
+        for i in range(2):
+            sock, present = reconnect(again, f"dev{i}", clean=False)
+            assert present
+            got = [int(p) for p in read_publishes(sock, 100)]
+            assert sorted(got) == [n for n in range(200) if n % 4 // 2 == i]
+            # In order per publisher (the two publishers' messages interleave).
+            for parity in (0, 1):
+                mine = [n for n in got if n % 2 == parity]
+                assert mine == sorted(mine)
+    finally:
+        stop_later(again)
+
+
 @pytest.mark.timeout(60)
 def test_sigterm_and_sighup_reach_every_worker_and_none_outlives_its_supervisor(tmp_path):
     broker = start(tmp_path)
@@ -461,6 +497,14 @@ def test_the_admin_endpoint_shows_the_node_with_a_line_per_worker(tmp_path):
         with urllib.request.urlopen(f"{url}/cluster/status", timeout=5) as response:
             status = json.load(response)
         assert sorted(m["node_id"] for m in status["members"]) == ["w1", "w2"]
+        # A worker never leaves its node's workers.
+        leave = urllib.request.Request(
+            f"{url}/cluster/leave", method="POST", data=b"", headers={"X-Fastbroker-Admin": "1"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(leave, timeout=5)
+        assert refused.value.code == 409
+        assert "stop the node" in json.load(refused.value)["reason"]
     finally:
         stop_later(broker)
 

@@ -182,9 +182,10 @@ class ClusterConfig:
     # Batches for a node that is down or backed up are zstd-compressed (engine
     # cluster_compress); off where CPU is scarcer than bandwidth (between workers).
     link_compression: bool = True
-    # Set by the worker supervisor (fastbroker.workers), never from TOML: its seeds are every
-    # node there is, so a fresh one need not wait to hear of a running cluster first.
-    bootstrap_grace: bool = True
+    # Set by the worker supervisor (fastbroker.workers), never from TOML: the cluster of one
+    # node's workers. Its seeds are every member there is (a fresh one need not wait to hear
+    # of a running cluster first), and a worker never leaves it (the node stops instead).
+    workers_of_node: bool = False
 
 
 @dataclass(frozen=True)

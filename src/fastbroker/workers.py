@@ -174,7 +174,7 @@ def worker_config(
         join=tuple(f"{LINK_HOST}:{port}" for i, port in enumerate(ports) if i != index),
         discovery="",
         bootstrap_expect=len(ports),
-        bootstrap_grace=False,
+        workers_of_node=True,
         replication_factor=1,
         ack_replicas=1,
         heartbeat_ms=WORKER_HEARTBEAT_MS,

@@ -597,7 +597,7 @@ class ClusterNode:
         self.transport.send(target, JOIN, {"node": self.node_id, "address": self.advertise})
 
     def maybe_bootstrap(self, now: int) -> None:
-        grace_s = BOOTSTRAP_GRACE_S if self.settings.bootstrap_grace else 0
+        grace_s = 0 if self.settings.workers_of_node else BOOTSTRAP_GRACE_S
         if now - self.started_ms < grace_s * 1000:
             return
         # A node given seeds founds nothing while a seed is out of reach: that seed may be
@@ -823,6 +823,8 @@ class ClusterNode:
         """Why this node must not leave now, if it must not: a member whose data link is
         down would lose what this node keeps for it (messages acknowledged to publishers
         here) and the copies of its sessions held here."""
+        if self.settings.workers_of_node:
+            return "a worker does not leave its node's workers: stop the node (SIGTERM)"
         raft = self.raft
         config = raft.committed_config if raft is not None else None
         if config is None or self.dataplane is None:
