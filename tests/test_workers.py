@@ -436,10 +436,26 @@ def test_workers_config(tmp_path, monkeypatch):
         load_config(overrides={"node": {"workers": 2}, "cluster": {"node_id": "n1"}})
     # auto: the affinity mask, capped by the cgroup's quota (rounded up).
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    (tmp_path / "cpu.max").write_text("150000 100000\n")
-    assert workers.cgroup_cpu_quota(str(tmp_path)) == 1.5
-    (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert workers.cgroup_cpu_quota(str(tmp_path)) is None
+    # cgroup v2: the tightest cpu.max on the process's path up to the root.
+    own = tmp_path / "cgroup"
+    own.write_text("0::/system.slice/fastbroker.service\n")
+    service = tmp_path / "v2" / "system.slice" / "fastbroker.service"
+    service.mkdir(parents=True)
+    (tmp_path / "v2" / "cpu.max").write_text("max 100000\n")
+    assert workers.cgroup_cpu_quota(str(tmp_path / "v2"), str(own)) is None
+    (service / "cpu.max").write_text("150000 100000\n")
+    assert workers.cgroup_cpu_quota(str(tmp_path / "v2"), str(own)) == 1.5
+    (service.parent / "cpu.max").write_text("100000 100000\n")
+    assert workers.cgroup_cpu_quota(str(tmp_path / "v2"), str(own)) == 1.0
+    # cgroup v1: the cpu controller's quota and period.
+    own.write_text("3:cpu,cpuacct:/docker/abc\n")
+    container = tmp_path / "v1" / "cpu,cpuacct" / "docker" / "abc"
+    container.mkdir(parents=True)
+    (container / "cpu.cfs_quota_us").write_text("250000\n")
+    (container / "cpu.cfs_period_us").write_text("100000\n")
+    assert workers.cgroup_cpu_quota(str(tmp_path / "v1"), str(own)) == 2.5
+    (container / "cpu.cfs_quota_us").write_text("-1\n")
+    assert workers.cgroup_cpu_quota(str(tmp_path / "v1"), str(own)) is None
     monkeypatch.setattr(workers, "cgroup_cpu_quota", lambda: 1.5)
     assert workers.usable_cores() == 2
     monkeypatch.setattr(workers, "cgroup_cpu_quota", lambda: None)

@@ -74,18 +74,45 @@ def usable_cores() -> int:
     return cores
 
 
-def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
-    """CPUs' worth of time the cgroup allows, or None for no limit."""
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> float | None:
+    """CPUs' worth of time this process's cgroup allows (the tightest limit on its path up
+    to the root), or None for no limit. cgroup v2 (cpu.max) or v1 (the cpu controller's
+    cfs_quota_us / cfs_period_us)."""
     try:
-        with open(f"{root}/cpu.max", encoding="ascii") as file:
+        with open(own, encoding="utf-8") as file:
+            lines = [line.strip().split(":", 2) for line in file if line.count(":") >= 2]
+    except OSError:
+        lines = []
+    v2 = next((path for hierarchy, _, path in lines if hierarchy == "0"), "/")
+    v1 = next((path for _, names, path in lines if "cpu" in names.split(",")), "/")
+    limits = [quota_v2(directory) for directory in ancestors(root, v2)]
+    if not any(limit is not None for limit in limits):
+        for mount in ("cpu", "cpu,cpuacct"):
+            limits += [quota_v1(directory) for directory in ancestors(f"{root}/{mount}", v1)]
+    found = [limit for limit in limits if limit is not None]
+    return min(found) if found else None
+
+
+def ancestors(root: str, path: str) -> list[str]:
+    """`root` joined with `path` and each of its parents, down to `root` itself."""
+    parts = [part for part in path.split("/") if part and part != ".."]
+    return [os.path.join(root, *parts[:depth]) for depth in range(len(parts), -1, -1)]
+
+
+def quota_v2(directory: str) -> float | None:
+    try:
+        with open(f"{directory}/cpu.max", encoding="ascii") as file:
             quota, period = file.read().split()[:2]
         return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
-        pass
+        return None
+
+
+def quota_v1(directory: str) -> float | None:
     try:
-        with open(f"{root}/cpu/cpu.cfs_quota_us", encoding="ascii") as file:
+        with open(f"{directory}/cpu.cfs_quota_us", encoding="ascii") as file:
             quota_us = int(file.read())
-        with open(f"{root}/cpu/cpu.cfs_period_us", encoding="ascii") as file:
+        with open(f"{directory}/cpu.cfs_period_us", encoding="ascii") as file:
             period_us = int(file.read())
     except (OSError, ValueError):
         return None
