@@ -488,7 +488,6 @@ def test_each_worker_gets_its_part_of_the_node_and_its_own_directory(tmp_path):
     assert (first.limits.max_connections, first.limits.max_connection_rate) == (334, 100)
     assert first.limits.memory_high_water_mb == 1000
     assert first.admin.enabled and not second.admin.enabled
-    assert second.sys.interval == 0
     assert second.storage.data_dir == str(tmp_path / "workers" / "w2")
     assert second.cluster.join == ("127.0.0.1:7001", "127.0.0.1:7003")
     assert second.cluster.replication_factor == 1 and not second.cluster.link_compression
@@ -521,6 +520,26 @@ def test_the_admin_endpoint_shows_the_node_with_a_line_per_worker(tmp_path):
             urllib.request.urlopen(leave, timeout=5)
         assert refused.value.code == 409
         assert "stop the node" in json.load(refused.value)["reason"]
+    finally:
+        stop_later(broker)
+
+
+@pytest.mark.timeout(60)
+def test_sys_topics_on_every_worker_count_the_node_s_clients(tmp_path):
+    broker = start(tmp_path, sys_interval=0.2)
+    try:
+        pids = worker_pids(broker)
+        watchers = [connect_on(broker, f"sys{i}", pid) for i, pid in enumerate(pids)]
+        others = [connect_on(broker, f"c{i}", pid) for i, pid in enumerate(pids * 2)]
+        for watcher in watchers:
+            watcher.sendall(rawmqtt.subscribe(1, [("$SYS/broker/clients/connected", 0)]))
+            assert rawmqtt.read_packet(watcher, 5).name == "SUBACK"
+        for watcher in watchers:
+            deadline = time.monotonic() + 10
+            seen = b""
+            while seen != b"%d" % (len(watchers) + len(others)):
+                assert time.monotonic() < deadline, seen
+                seen = rawmqtt.parse_publish(rawmqtt.read_packet(watcher, 5)).payload
     finally:
         stop_later(broker)
 

@@ -339,7 +339,13 @@ async def run_server(
     if store.fsync == "interval":
         server.start_syncing(store.fsync_interval_ms / 1000)
     sys_topics = SysTopicPublisher(
-        engine, server, loop, config.sys.interval, __version__, cluster=cluster
+        engine,
+        server,
+        loop,
+        config.sys.interval,
+        __version__,
+        cluster=cluster,
+        node_wide_clients=worker is not None,
     )
     sys_topics.start()
     heap_trimmer = HeapTrimmer(loop)

@@ -3,7 +3,9 @@
 Names as Mosquitto uses them, so existing dashboards work. They are this node's own: the data
 plane never forwards a $SYS message, so a client sees the node it is connected to. A cluster
 node adds `$SYS/broker/cluster/...`: its node id, the clients connected to every member (as
-their pings report them) and the traffic of each of its inter-node links.
+their pings report them) and the traffic of each of its inter-node links. The workers of one
+node (fastbroker.workers) each publish their own, with clients/connected counting every
+worker's clients (the others' from their pings); the other counts are the worker's.
 """
 
 from __future__ import annotations
@@ -44,9 +46,14 @@ def sys_messages(
     uptime_s: int,
     version: str,
     cluster: ClusterView | None = None,
+    node_wide_clients: bool = False,
 ) -> dict[str, bytes]:
     """Topic -> payload of every $SYS message for the given engine stats and, for a cluster
-    node, what `cluster` reports."""
+    node, what `cluster` reports (with `node_wide_clients`, its members are one node's
+    workers: clients/connected is their sum)."""
+    if cluster is not None and node_wide_clients:
+        counts = cluster.member_clients().values()
+        stats = {**stats, "clients_connected": sum(c for c in counts if c is not None)}
     messages = {
         VERSION_TOPIC: f"fastbroker version {version}".encode(),
         UPTIME_TOPIC: f"{uptime_s} seconds".encode(),
@@ -89,8 +96,10 @@ class SysTopicPublisher:
         interval: float,
         version: str,
         cluster: ClusterView | None = None,
+        node_wide_clients: bool = False,
     ) -> None:
         self.engine = engine
+        self.node_wide_clients = node_wide_clients
         self.server = server
         self.loop = loop
         self.interval = interval
@@ -114,7 +123,9 @@ class SysTopicPublisher:
         self.timer = self.loop.call_later(self.interval, self.publish)
         now_ms = monotonic_ms()
         uptime_s = (now_ms - self.started_ms) // 1000
-        messages = sys_messages(self.engine.stats(), uptime_s, self.version, self.cluster)
+        messages = sys_messages(
+            self.engine.stats(), uptime_s, self.version, self.cluster, self.node_wide_clients
+        )
         for topic, payload in messages.items():
             # Retained, so unchanged values need no republishing.
             if self.published.get(topic) != payload:

@@ -11,9 +11,10 @@ is a whole broker on one core:
   the retained set on every worker;
 - each has its own store under ``<data_dir>/workers/<name>``: a worker killed by SIGKILL is
   restarted on its own data, and what it acknowledged is there (as for a single process).
-The first worker serves the admin endpoint and $SYS. The loopback ports of the links are
-chosen on the first start and kept in ``<data_dir>/workers/links.json``: Raft remembers its
-members by address, so they must not change between starts.
+The first worker serves the admin endpoint; each publishes $SYS to its own clients. The
+loopback ports of the links are chosen on the first start and kept in
+``<data_dir>/workers/links.json``: Raft remembers its members by address, so they must not
+change between starts.
 
 The supervisor must not start threads: it forks again whenever a worker is restarted.
 """
@@ -240,8 +241,6 @@ def worker_config(
         node=node,
         limits=limits,
         storage=dataclasses.replace(config.storage, data_dir=data_dir),
-        # One $SYS publisher for the node.
-        sys=config.sys if first else dataclasses.replace(config.sys, interval=0),
     )
 
 
